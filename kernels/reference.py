@@ -1,0 +1,140 @@
+"""Plain-torch reference ops for paged attention and friends.
+
+They define the semantics the Triton kernels must match, and they are the CPU execution path.
+Layout of one layer's cache: k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim].
+A token at position p of a sequence lives in slot block_table[p // block_size] * block_size +
+p % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(key: torch.Tensor,          # [T, kv_heads, head_dim]
+             value: torch.Tensor,        # [T, kv_heads, head_dim]
+             k_cache: torch.Tensor,      # [num_blocks, block_size, kv_heads, head_dim]
+             v_cache: torch.Tensor,      # [num_blocks, block_size, kv_heads, head_dim]
+             slot_mapping: torch.Tensor  # [T] int64; negative slots are skipped (padding)
+             ) -> None:
+    nb, bs, kvh, d = k_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence: [length, kv_heads, head_dim]."""
+    nb, bs, kvh, d = cache.shape
+    n_blocks = -(-length // bs)
+    return cache[block_table[:n_blocks].long()].reshape(n_blocks * bs, kvh, d)[:length]
+
+
+def paged_attention_decode(q: torch.Tensor,             # [B, heads, head_dim]
+                           k_cache: torch.Tensor,       # [num_blocks, block_size, kv_heads, head_dim]
+                           v_cache: torch.Tensor,
+                           block_tables: torch.Tensor,  # [B, max_blocks] int32
+                           seq_lens: torch.Tensor,      # [B] int32, context incl. the new token
+                           scale: float,
+                           ) -> torch.Tensor:           # [B, heads, head_dim]
+    """One query token per sequence attending to its whole cached context (batched, masked)."""
+    b, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    max_len = int(seq_lens.max())
+    n_blocks = -(-max_len // bs)
+    table = block_tables[:, :n_blocks].long()
+    k = k_cache[table].reshape(b, n_blocks * bs, kvh, d).transpose(1, 2)  # [B, kvh, L, d]
+    v = v_cache[table].reshape(b, n_blocks * bs, kvh, d).transpose(1, 2)
+    pos = torch.arange(n_blocks * bs, device=q.device)
+    mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        enable_gqa=(h != kvh))
+    return out.squeeze(2)
+
+
+def paged_attention_extend(q: torch.Tensor,                # [T, heads, head_dim]
+                           k_cache: torch.Tensor,          # [num_blocks, block_size, kv_heads, head_dim]
+                           v_cache: torch.Tensor,
+                           block_tables: torch.Tensor,     # [B, max_blocks] int32
+                           query_start_loc: torch.Tensor,  # [B + 1] int32, offsets into T
+                           seq_lens: torch.Tensor,         # [B] int32, context incl. new tokens
+                           scale: float,
+                           ) -> torch.Tensor:              # [T, heads, head_dim]
+    """New tokens attend causally to themselves and to their cached prefix.
+
+    Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]]; they are the last
+    q_len tokens of its seq_lens[b] tokens, whose K/V are already in the cache.
+    """
+    t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, ctx in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        k = _gather(k_cache, block_tables[b], ctx).transpose(0, 1).to(q.dtype)  # [kvh, ctx, d]
+        v = _gather(v_cache, block_tables[b], ctx).transpose(0, 1).to(q.dtype)
+        qb = q[s:e].transpose(0, 1)  # [h, q_len, d]
+        if q_len == ctx:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=(h != kvh))
+        else:
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=(h != kvh))
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (normed, new_residual); with residual given, x + residual is normed and returned
+    as the new residual (the fused add-norm of a pre-norm transformer block)."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)) if weight.dtype == x.dtype else (weight * xf).to(x.dtype), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * n] (gate, up) -> silu(gate) * up: [..., n]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(q: torch.Tensor,          # [T, heads, head_dim]
+                 k: torch.Tensor,          # [T, kv_heads, head_dim]
+                 positions: torch.Tensor,  # [T] int64
+                 cos_sin: torch.Tensor,    # [max_pos, head_dim] float32: cos half | sin half
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding, as in HF Llama/Qwen2."""
+    cs = cos_sin[positions]
+    half = cs.shape[-1] // 2
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def copy_blocks(src: torch.Tensor,        # [..., num_blocks_src, block_size, kv_heads, head_dim]
+                dst: torch.Tensor,        # [..., num_blocks_dst, block_size, kv_heads, head_dim]
+                src_ids: torch.Tensor,    # [n] int64
+                dst_ids: torch.Tensor,    # [n] int64
+                block_dim: int = -4) -> None:
+    """dst[..., dst_ids[i], ...] = src[..., src_ids[i], ...] along the block dimension."""
+    dst.index_copy_(block_dim % dst.dim(), dst_ids, src.index_select(block_dim % src.dim(), src_ids))
