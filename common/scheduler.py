@@ -36,11 +36,12 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens of seq.token_ids computed this step, from seq.num_computed_tokens
+    # True when this step brings the sequence level with its known tokens: sample one more.
+    # Fixed at scheduling time (update() moves num_computed_tokens afterwards).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step brings the sequence level with its known tokens: sample one more."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass(slots=True)

@@ -1,0 +1,303 @@
+"""The in-process engine: requests in, streamed tokens out, one scheduler step at a time.
+
+    add_request() -> Scheduler.waiting -> step(): schedule -> ModelRunner.execute -> update
+                  -> stop checks / detokenize -> RequestOutput deltas
+
+Not thread-safe: services drive it from a single thread (common/engine_loop.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.block_manager import BlockManager
+from common.config import EngineConfig
+from common.detokenizer import IncrementalDetokenizer, StopChecker
+from common.model_runner import KVAllocator, ModelRunner
+from common.models.loader import load_model, resolve_model
+from common.sampler import TokenLogprobs
+from common.sampling_params import InvalidRequestError, SamplingParams
+from common.scheduler import Scheduler, SchedulerConfig
+from common.sequence import FinishReason, Sequence
+from common.tokenizer import Tokenizer
+
+log = logging.getLogger("splitserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """The decode side of a handoff: the prompt's KV is already in block_ids (reserved with
+    reserve_blocks and filled by the transport), and the first token was sampled upstream."""
+    block_ids: list[int]
+    first_token_id: int
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    output_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    held_block_ids: list[int] | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+    text: str = ""  # all output text so far
+
+
+@dataclass(slots=True)
+class _Text:
+    """Per-request text state: incremental detokenizer plus stop-string matcher."""
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    text: str = ""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_cache_allocator: KVAllocator | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+        cache_dir = config.model_cache_dir
+        self.model, self.model_config = load_model(
+            config.model, dtype=self.dtype, device=self.device, cache_dir=cache_dir)
+        self.tokenizer: Tokenizer | None = None
+        if not config.model.startswith("dummy:"):
+            self.tokenizer = Tokenizer.from_dir(resolve_model(config.model, cache_dir))
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.runner = ModelRunner(self.model, mc, config, self.device, self.dtype, kv_cache_allocator)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            self.block_manager)
+        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.texts: dict[str, _Text] = {}
+        self.held: dict[str, list[int]] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d",
+                 config.model_name, self.device, self.dtype, self.runner.num_blocks,
+                 config.block_size)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    # ---- requests ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context length ({self.max_model_len})")
+        needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.config.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {needed} KV blocks; the pool has {self.block_manager.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefilled: Prefilled | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self.seqs or request_id in self.held:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                       arrival_time=arrival_time or time.monotonic())
+        if self.tokenizer is not None:
+            self.texts[request_id] = _Text(
+                IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                       params.skip_special_tokens),
+                StopChecker(params.stop, params.include_stop_str_in_output))
+        if prefilled is not None:
+            if len(prefilled.block_ids) * self.config.block_size < len(prompt_token_ids):
+                raise InvalidRequestError("prefilled blocks are too few for the prompt")
+            seq.block_table = list(prefilled.block_ids)
+            seq.num_computed_tokens = len(prompt_token_ids)
+            seq.first_scheduled_time = seq.first_token_time = seq.arrival_time
+            _, reason = self._append(seq, prefilled.first_token_id)
+            if reason is not None:  # the first token already ended it: report at the next step
+                self.seqs[request_id] = seq
+                self._finish(seq, reason)
+                self._pending.append(self._output(seq, [], "", None, time.monotonic()))
+                return
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        if self.release_held(request_id):
+            return True
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- blocks across services -------------------------------------------------------------
+    def reserve_blocks(self, n: int) -> list[int]:
+        return self.block_manager.allocate_blocks(n)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.unref_blocks(block_ids)
+
+    def release_held(self, request_id: str) -> bool:
+        table = self.held.pop(request_id, None)
+        if table is None:
+            return False
+        self.block_manager.free(table)
+        return True
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.export_kv(block_ids)
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.runner.import_kv(block_ids, kv)
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return outputs
+        seqs, sampled = self.runner.execute(out)
+        self.scheduler.update(out)
+        now = time.monotonic()
+        for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            new_text, reason = self._append(seq, token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, [token], new_text, [lp] if lp is not None else None,
+                                        now))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
+        """Append a sampled token; returns (text delta, finish reason or None)."""
+        seq.append_token(token)
+        p = seq.params
+        reason = None
+        # The sampler masks EOS and stop ids while fewer than min_tokens are out.
+        if token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids):
+            reason = FinishReason.STOP
+        if reason is None and (seq.num_output_tokens >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        text = self.texts.get(seq.request_id)
+        if text is None:
+            return "", reason
+        delta = text.detok.add([token])
+        emit, stopped = text.stops.check(text.text, delta)
+        if stopped and seq.num_output_tokens >= p.min_tokens:
+            reason = FinishReason.STOP
+        elif reason is not None:
+            emit += text.stops.flush()
+        text.text += emit
+        return emit, reason
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        if seq.params.hold_blocks and reason is not FinishReason.ABORT:
+            self.held[seq.request_id] = seq.block_table
+
+    def _forget(self, request_id: str) -> None:
+        self.texts.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str,
+                logprobs: list | None, now: float) -> RequestOutput:
+        finished = seq.is_finished
+        text = self.texts.get(seq.request_id)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            output_token_ids=list(seq.output_token_ids),
+            finished=finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
+                                   seq.first_token_time, now if finished else None),
+            held_block_ids=list(self.held[seq.request_id]) if seq.request_id in self.held else None,
+            block_hashes=list(seq.block_hashes[:seq.num_prompt_tokens // self.config.block_size]),
+            logprobs=logprobs,
+            text=text.text if text else "",
+        )
+        if finished:
+            self.seqs.pop(seq.request_id, None)
+            self._forget(seq.request_id)
+        return out
+
+    # ---- convenience ------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (all submitted at once so they batch); final outputs in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.logprobs:
+                    logprobs[o.request_id].extend(o.logprobs)
+                if o.finished:
+                    final[o.request_id] = o
+        for rid in ids:
+            if logprobs[rid]:
+                final[rid].logprobs = logprobs[rid]
+        return [final[rid] for rid in ids]
