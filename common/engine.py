@@ -68,7 +68,8 @@ class _Text:
     """Per-request text state: incremental detokenizer plus stop-string matcher."""
     detok: IncrementalDetokenizer
     stops: StopChecker
-    text: str = ""
+    raw: str = ""   # everything detokenized so far
+    text: str = ""  # what was emitted (stop strings cut, a possible stop prefix held back)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -239,7 +240,8 @@ class LLMEngine:
         if text is None:
             return "", reason
         delta = text.detok.add([token])
-        emit, stopped = text.stops.check(text.text, delta)
+        text.raw += delta
+        emit, stopped = text.stops.check(text.raw, delta)
         if stopped and seq.num_output_tokens >= p.min_tokens:
             reason = FinishReason.STOP
         elif reason is not None:
