@@ -79,9 +79,10 @@ def paged_attention_extend(q: torch.Tensor,                # [T, heads, head_dim
         q_len = e - s
         if q_len == 0:
             continue
-        k = _gather(k_cache, block_tables[b], ctx).transpose(0, 1).to(q.dtype)  # [kvh, ctx, d]
-        v = _gather(v_cache, block_tables[b], ctx).transpose(0, 1).to(q.dtype)
-        qb = q[s:e].transpose(0, 1)  # [h, q_len, d]
+        # 4-D [1, heads, len, d] operands: on CPU only these reach the fused (flash) SDPA kernel.
+        k = _gather(k_cache, block_tables[b], ctx).transpose(0, 1)[None].to(q.dtype)
+        v = _gather(v_cache, block_tables[b], ctx).transpose(0, 1)[None].to(q.dtype)
+        qb = q[s:e].transpose(0, 1)[None]  # [1, h, q_len, d]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
                                                enable_gqa=(h != kvh))
@@ -90,7 +91,7 @@ def paged_attention_extend(q: torch.Tensor,                # [T, heads, head_dim
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=(h != kvh))
-        out[s:e] = o.transpose(0, 1)
+        out[s:e] = o[0].transpose(0, 1)
     return out
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in the interpreter. It must be chosen before triton is first
+# imported (building some HF models imports it), so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common.config import DEFAULT_CACHE_DIR
 

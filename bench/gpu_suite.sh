@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU suite, built for ONE device call (run it from the repository root on the GPU machine):
+#   1. the kernel tests on the GPU (tests/kernels, real shapes; the CPU cases skip themselves)
+#   2. the kernel benchmark: copy bandwidth, decode-attention bandwidth table (T5), block copy
+#      (T7), extend attention; table on stdout, full numbers in $OUT/kernels.json
+#   3. HOOK: the model-vs-HF check (added by the lead)
+# Logs and JSON go to $OUT (the device tool's output folder; ./out when unset).
+# Arguments are passed to bench/gpu_kernels.py (e.g. --sweep to time launch configurations).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv 2>&1 | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
+    | tee -a "$OUT/gpu.txt"
+
+echo "== 1. kernel tests (GPU) ($(date +%T))"
+python3 -m pytest tests/kernels -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== 2. kernel benchmark ($(date +%T))"
+python3 bench/gpu_kernels.py --out "$OUT/kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo "== 3. model check ($(date +%T))"
+# ---- HOOK (lead): the model-vs-HF check goes here, as a second python invocation, e.g.
+#   python3 bench/model_check.py --out "$OUT/model_check.json" 2>&1 | tee "$OUT/model_check.log"
+#   model_rc=${PIPESTATUS[0]}
+model_rc=0
+echo "(no model check yet)"
+
+echo "== rc: tests=$tests_rc bench=$bench_rc model=$model_rc ($(date +%T))"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$model_rc" -eq 0 ]

@@ -1,0 +1,65 @@
+"""The KV pool layout that transports move blocks of, and block copies between two pools.
+
+A pool is the engine's kv_cache: [num_layers, 2 (key, value), num_blocks, block_size, kv_heads,
+head_dim]. Block b of a pool is pool[:, :, b].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+BLOCK_AXIS = 2
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def check_pool(pool: torch.Tensor) -> None:
+    if pool.dim() != 6 or pool.shape[1] != 2:
+        raise ValueError(f"a KV pool is [{KV_LAYOUT}], got shape {tuple(pool.shape)}")
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs of blocks consecutive on both sides, in order.
+
+    >>> block_runs([4, 5, 6, 9], [0, 1, 7, 8])
+    [(4, 0, 2), (6, 7, 1), (9, 8, 1)]
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_blocks(src: torch.Tensor, src_ids: Sequence[int],
+                dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+    """dst[:, :, dst_ids[i]] = src[:, :, src_ids[i]] for every i, straight from the source pool
+    (no staging): one kernel (kernels.block_copy) when both pools are on one GPU, else one copy
+    per run of consecutive blocks, across devices if need be."""
+    runs = block_runs(src_ids, dst_ids)
+    if src.is_cuda and src.device == dst.device:
+        # Imported here: CPU-only processes never load Triton through this module.
+        from kernels.block_copy import copy_blocks as copy_blocks_kernel
+        copy_blocks_kernel(src, dst,
+                           torch.tensor(list(src_ids), dtype=torch.int64, device=src.device),
+                           torch.tensor(list(dst_ids), dtype=torch.int64, device=dst.device),
+                           block_dim=BLOCK_AXIS)
+        return
+    for s, d, n in runs:
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n])

@@ -1,0 +1,44 @@
+"""A cheap checksum of KV blocks, computed where the tensor lives (CPU or GPU).
+
+    words      the block's bytes read as int32 (the pool's own bytes: any dtype)
+    s_j, q_j   sum of words and sum of squared words of block j, in int64 (wrapping mod 2**64)
+    checksum   sum over j of (j + 1) * (s_j + M * q_j)  mod 2**64, as a signed int64,
+               with M = 0x9E3779B97F4A7C15 and j the block's position in the transfer
+
+Integer sums are exact and order-independent, so the source (on its device) and the receiver (on
+its own) agree bit for bit; the position weight catches swapped or repeated blocks, the squares
+catch changes that keep a block's plain sum. It is a guard against stale or misrouted blocks,
+not a cryptographic hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.kv_transport.blocks import BLOCK_AXIS, check_pool
+
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
+_CHUNK_BYTES = 16 << 20                 # blocks summed per pass, to bound temporary memory
+
+
+def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
+    """Checksum of pool's blocks block_ids, in that order (pool: [layers, 2, blocks, ...])."""
+    check_pool(pool)
+    if (pool.shape[-1] * pool.element_size()) % 4:
+        raise ValueError(f"head_dim * itemsize must be a multiple of 4 bytes, pool {pool.shape}")
+    block_bytes = pool[:, :, 0].numel() * pool.element_size()
+    per_pass = max(1, _CHUNK_BYTES // block_bytes)
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
+    total = torch.zeros((), dtype=torch.int64, device=pool.device)
+    for start in range(0, len(block_ids), per_pass):
+        blocks = pool.index_select(BLOCK_AXIS, index[start:start + per_pass])  # contiguous copy
+        words = blocks.view(torch.int32).to(torch.int64)
+        dims = (0, 1, 3, 4, 5)
+        s = words.sum(dim=dims)
+        q = (words * words).sum(dim=dims)
+        weight = torch.arange(start + 1, start + 1 + s.numel(), dtype=torch.int64,
+                              device=pool.device)
+        total += (weight * (s + _MIX * q)).sum()
+    return int(total.item())

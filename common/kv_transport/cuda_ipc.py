@@ -1,0 +1,111 @@
+"""cuda_ipc: source and receiver on one host, CUDA pools. The descriptor carries the source pool's
+CUDA IPC handle (what torch.multiprocessing's reduce_tensor produces, in JSON with base64 bytes);
+a receiver opens it once per source (cached), then copies the listed blocks device to device.
+
+Rules:
+- describe_pool() is called once per pool, at start-up, not per handoff: every call registers
+  another IPC reference with torch's producer-side bookkeeping.
+- The source publishes a handoff only after its KV writes completed on the device (the engine's
+  step ends with a host sync when it reads the sampled token), so the receiver's copy sees them.
+- The handle names a device of the source process; the receiver opens it on its own device with
+  the same GPU UUID, so the two processes may number their visible GPUs differently.
+- A source whose handle no receiver ever opened logs "Producer process has been terminated before
+  all shared CUDA tensors released" at exit (torch's bookkeeping); harmless, the pool lives until
+  then anyway.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from common.kv_transport.base import KVTransport, TransferError, check_source
+from common.kv_transport.blocks import check_pool, copy_blocks, dtype_from_name, dtype_name
+from common.registry.records import HandoffDescriptor
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
+def describe_pool(pool: torch.Tensor) -> dict[str, Any]:
+    """The descriptor's "cuda_ipc" entry for a CUDA pool."""
+    check_pool(pool)
+    if not pool.is_cuda:
+        raise ValueError(f"cuda_ipc needs a CUDA pool, got one on {pool.device}")
+    _, args = reduce_tensor(pool.detach())
+    (_tensor_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_size_bytes,
+     storage_offset_bytes, _requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+     event_sync_required) = args
+    return {
+        "device_uuid": str(torch.cuda.get_device_properties(device).uuid),
+        "size": list(size), "stride": list(stride), "offset": int(offset),
+        "dtype": dtype_name(dtype),
+        "handle": _b64(handle),
+        "storage_size_bytes": int(storage_size_bytes),
+        "storage_offset_bytes": int(storage_offset_bytes),
+        "ref_counter_handle": _b64(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": _b64(event_handle),
+        "event_sync_required": bool(event_sync_required),
+    }
+
+
+def local_device_index(device_uuid: str) -> int:
+    """The index under which this process sees the GPU with that UUID."""
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
+            return i
+    raise TransferError(f"GPU {device_uuid} is not visible to this process")
+
+
+def open_pool(info: dict[str, Any]) -> torch.Tensor:
+    """Rebuild the source pool tensor from its "cuda_ipc" entry (in a process other than the
+    source's: CUDA refuses to open a process's own IPC handle)."""
+    device = local_device_index(info["device_uuid"])
+    with torch.cuda.device(device):
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(info["size"]), tuple(info["stride"]), info["offset"],
+            torch.UntypedStorage, dtype_from_name(info["dtype"]), device, _unb64(info["handle"]),
+            info["storage_size_bytes"], info["storage_offset_bytes"], False,
+            _unb64(info["ref_counter_handle"]), info["ref_counter_offset"],
+            _unb64(info["event_handle"]), info["event_sync_required"])
+
+
+class CudaIpcTransport(KVTransport):
+    name = "cuda_ipc"
+
+    def __init__(self) -> None:
+        self._pools: dict[str, torch.Tensor] = {}  # IPC handle (base64) -> opened source pool
+
+    def _source(self, info: dict[str, Any]) -> torch.Tensor:
+        pool = self._pools.get(info["handle"])
+        if pool is None:
+            try:
+                pool = open_pool(info)
+            except RuntimeError as e:
+                raise TransferError(f"cannot open the source pool's CUDA IPC handle: {e}") from e
+            self._pools[info["handle"]] = pool
+        return pool
+
+    def _pull(self, desc: HandoffDescriptor, info: dict[str, Any], dst_pool: torch.Tensor,
+              dst_block_ids: list[int], timeout_s: float) -> None:
+        if not dst_pool.is_cuda:
+            raise TransferError("cuda_ipc needs a CUDA destination pool")
+        src = self._source(info)
+        check_source(desc, src)
+        copy_blocks(src, desc.block_ids, dst_pool, dst_block_ids)
+
+    def forget(self, handle: str) -> None:
+        """Drop the cached pool of a source that went away."""
+        self._pools.pop(handle, None)
+
+    def close(self) -> None:
+        self._pools.clear()

@@ -1,0 +1,122 @@
+"""grpc: the transport that works across hosts. The prefill service serves KVTransfer (see
+protos/splitserve/v1/kv_transfer.proto) from its pool; a receiver pulls the blocks as a stream of
+chunks into a host buffer, then copies them into its pool.
+
+KVTransferServicer is a grpc.aio servicer (the services run grpc.aio servers); the client side is
+synchronous, for a worker thread, with one deadline over the whole stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from common.kv_transport.base import KVTransport, TransferError
+from common.kv_transport.blocks import copy_blocks, dtype_from_name, dtype_name
+from common.registry.records import HandoffDescriptor
+from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+
+
+class KVExporter(Protocol):
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], a copy; ValueError or
+        IndexError for a block id outside the pool."""
+        ...
+
+
+def _export_bytes(source: KVExporter, block_ids: list[int]) -> tuple[memoryview, torch.Tensor]:
+    kv = source.export_kv(block_ids).detach().to("cpu").contiguous()
+    return memoryview(kv.view(-1).view(torch.uint8).numpy()), kv
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    """Serves a source's blocks. The source is a KVSource (or anything with export_kv that is safe
+    to call from a worker thread). Register with
+    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, aio_server)."""
+
+    def __init__(self, source: KVExporter):
+        self._source = source
+
+    async def PullBlocks(self, request: kv_transfer_pb2.PullBlocksRequest,
+                         context: grpc.aio.ServicerContext):
+        block_ids = list(request.block_ids)
+        chunk = request.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        if not block_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no block ids")
+        if chunk > MAX_CHUNK_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_chunk_bytes {chunk} above {MAX_CHUNK_BYTES}")
+        try:
+            data, kv = await asyncio.to_thread(_export_bytes, self._source, block_ids)
+        except (ValueError, IndexError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        total = len(data)
+        for offset in range(0, total, chunk):
+            first = offset == 0
+            yield kv_transfer_pb2.KVChunk(
+                offset=offset, data=bytes(data[offset:offset + chunk]), total_bytes=total,
+                shape=list(kv.shape) if first else [], dtype=dtype_name(kv.dtype) if first else "")
+
+
+class GrpcTransport(KVTransport):
+    name = "grpc"
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVTransferStub]] = {}
+
+    def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
+        if address not in self._channels:
+            limit = self.chunk_bytes + (1 << 20)
+            channel = grpc.insecure_channel(address, options=[
+                ("grpc.max_receive_message_length", limit)])
+            self._channels[address] = (channel, kv_transfer_pb2_grpc.KVTransferStub(channel))
+        return self._channels[address][1]
+
+    def _pull(self, desc: HandoffDescriptor, info: dict[str, Any], dst_pool: torch.Tensor,
+              dst_block_ids: list[int], timeout_s: float) -> None:
+        n = len(desc.block_ids)
+        shape = [desc.num_layers, 2, n, desc.block_size, desc.num_kv_heads, desc.head_dim]
+        dtype = dtype_from_name(desc.dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        request = kv_transfer_pb2.PullBlocksRequest(
+            request_id=desc.request_id, block_ids=desc.block_ids, max_chunk_bytes=self.chunk_bytes)
+        received = 0
+        call = self._stub(info["address"]).PullBlocks(request, timeout=timeout_s)
+        try:
+            for chunk in call:
+                if received == 0 and (list(chunk.shape) != shape or chunk.dtype != desc.dtype
+                                      or chunk.total_bytes != nbytes):
+                    raise TransferError(f"source sends {list(chunk.shape)} {chunk.dtype}, "
+                                        f"expected {shape} {desc.dtype}")
+                size = len(chunk.data)
+                if chunk.offset != received or received + size > nbytes:
+                    raise TransferError(f"chunk at {chunk.offset}+{size} after {received} bytes "
+                                        f"of {nbytes}")
+                view[received:received + size] = chunk.data
+                received += size
+        except grpc.RpcError as e:
+            raise TransferError(f"PullBlocks from {info['address']} failed: "
+                                f"{e.code().name}: {e.details()}") from e
+        finally:
+            call.cancel()  # no-op once the stream ended; stops the server after an error here
+        if received != nbytes:
+            raise TransferError(f"stream ended after {received} of {nbytes} bytes")
+        kv = buf.view(dtype).view(shape)
+        copy_blocks(kv, range(n), dst_pool, dst_block_ids)
+
+    def close(self) -> None:
+        for channel, _ in self._channels.values():
+            channel.close()
+        self._channels.clear()

@@ -1,0 +1,72 @@
+"""KVSource: the prefill side of the transports. It offers one engine pool over every transport
+that can reach it, serves export_kv for the gRPC servicer, and fills in handoff descriptors.
+
+Offers: "local" always (the pool enters this process's table), "shm" when the pool was made by a
+SharedMemoryPool, "cuda_ipc" when it is on a GPU, "grpc" when an address serving KVTransfer is
+given. The descriptor lists them all; each receiver picks by locality (select.select_transport).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from common.kv_transport import cuda_ipc, local
+from common.kv_transport.blocks import BLOCK_AXIS, KV_LAYOUT, check_pool, dtype_name
+from common.kv_transport.checksum import kv_checksum
+from common.kv_transport.locality import host_id
+from common.kv_transport.shm import SharedMemoryPool
+from common.registry.records import HandoffDescriptor
+
+
+class KVSource:
+    def __init__(self, instance_id: str, pool: torch.Tensor, model: str, *,
+                 address: str = "", shm: SharedMemoryPool | None = None,
+                 host: str | None = None):
+        """pool: the engine's kv_cache. address: host:port of the gRPC server where this process
+        serves KVTransfer ("" = no grpc offer). shm: the allocator that made pool, if any.
+        host: override for locality.host_id()."""
+        check_pool(pool)
+        if shm is not None and shm.tensor is not pool:
+            raise ValueError("shm did not allocate this pool")
+        self.instance_id = instance_id
+        self.pool = pool
+        self.model = model
+        self.address = address
+        self.host = host if host is not None else host_id()
+        self.offers: dict[str, dict[str, Any]] = {"local": local.share_pool(instance_id, pool)}
+        if shm is not None:
+            self.offers["shm"] = shm.describe()
+        if pool.is_cuda:
+            self.offers["cuda_ipc"] = cuda_ipc.describe_pool(pool)
+        if address:
+            self.offers["grpc"] = {"address": address}
+
+    def export_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of the blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim].
+        Reads only the pool, so it is safe beside the engine's thread for blocks that are held."""
+        num_blocks = self.pool.shape[BLOCK_AXIS]
+        if any(not 0 <= b < num_blocks for b in block_ids):
+            raise ValueError(f"block ids outside [0, {num_blocks})")
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.pool.device)
+        return self.pool.index_select(BLOCK_AXIS, index)
+
+    def describe(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
+                 block_hashes: Sequence[int]) -> HandoffDescriptor:
+        """The handoff descriptor for held blocks whose KV is computed (checksummed now)."""
+        layers, _, _, block_size, kv_heads, head_dim = self.pool.shape
+        return HandoffDescriptor(
+            request_id=request_id, source_instance=self.instance_id, source_address=self.address,
+            source_host_id=self.host, model=self.model, dtype=dtype_name(self.pool.dtype),
+            block_size=block_size, layout=KV_LAYOUT, num_layers=layers, num_kv_heads=kv_heads,
+            head_dim=head_dim, num_tokens=num_tokens, block_ids=list(block_ids),
+            block_hashes=[int(h) for h in block_hashes],
+            checksum=kv_checksum(self.pool, block_ids),
+            transports={name: dict(info) for name, info in self.offers.items()},
+            created_at=time.time())
+
+    def close(self) -> None:
+        local.unshare_pool(self.instance_id)

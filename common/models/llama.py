@@ -1,0 +1,165 @@
+"""Our decoder implementation for the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral) and
+Qwen2/2.5, running on a paged KV cache.
+
+One step takes a flat batch of T tokens (see AttentionMetadata). Per layer:
+
+    h, res = rms_norm(h, res)             fused residual add + norm
+    q|k|v  = h @ Wqkv (+ bias on Qwen2)   one matmul
+    q      = rotary(q); store rotary(k), v in the paged cache   (one op: ops.rotary_store)
+    o      = paged attention(q, cache)
+    h      = o @ Wo
+    h, res = rms_norm(h, res)
+    h      = silu_and_mul(h @ Wgate|up) @ Wdown
+
+The element-wise ops go through `model.ops` (a ModelOps) so a CUDA path can swap in kernels
+(common.models.ops_triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from common.models.attention import AttentionBackend, AttentionMetadata
+from common.models.model_config import ModelConfig
+from common.models.ops import REFERENCE_OPS, ModelOps
+from common.models.rotary import cos_sin_cache
+
+# A parameter row range that one HF checkpoint tensor fills: (parameter, first row, end row).
+WeightTarget = tuple[nn.Parameter, int, int]
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype,
+            device: torch.device) -> nn.Linear:
+    # Uninitialised: the loader (or the dummy initialiser) fills every parameter.
+    return skip_init(nn.Linear, n_in, n_out, bias=bias, dtype=dtype, device=device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.scale = c.head_dim ** -0.5
+        self.qkv_proj = _linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.attention_bias,
+                                dtype, device)
+        self.o_proj = _linear(c.q_size, c.hidden_size, False, dtype, device)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend, ops: ModelOps) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta, backend)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.gate_up_proj = _linear(c.hidden_size, 2 * c.intermediate_size, False, dtype, device)
+        self.down_proj = _linear(c.intermediate_size, c.hidden_size, False, dtype, device)
+
+    def forward(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(c, dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = MLP(c, dtype, device)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = ops.rms_norm(h, norm1.weight, norm1.eps, residual)
+        h = self.self_attn(h, positions, cos_sin, layer_cache[0], layer_cache[1], meta,
+                           backend, ops)
+        h, residual = ops.rms_norm(h, norm2.weight, norm2.eps, residual)
+        return self.mlp(h, ops), residual
+
+
+class LlamaModel(nn.Module):
+    """Parameters are created uninitialised on `device` in `dtype`; load_model fills them."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                 ops: ModelOps = REFERENCE_OPS):
+        super().__init__()
+        c = config
+        self.config = c
+        self.ops = ops
+        self.embed_tokens = skip_init(nn.Embedding, c.vocab_size, c.hidden_size, dtype=dtype,
+                                      device=device)
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.lm_head = (None if c.tie_word_embeddings
+                        else _linear(c.hidden_size, c.vocab_size, False, dtype, device))
+        self.register_buffer("cos_sin", cos_sin_cache(c, torch.device(device)), persistent=False)
+        self.requires_grad_(False)
+
+    def forward(self,
+                input_ids: torch.Tensor,  # [T] int64
+                positions: torch.Tensor,  # [T] int64
+                kv_cache: torch.Tensor,   # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+                meta: AttentionMetadata,
+                backend: AttentionBackend,
+                ) -> torch.Tensor:        # [T, hidden]
+        h = F.embedding(input_ids, self.embed_tokens.weight)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, positions, self.cos_sin, kv_cache[i], meta, backend,
+                                self.ops)
+        h, _ = self.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight).float()
+
+    def hf_weight_targets(self) -> dict[str, WeightTarget]:
+        """Every HF checkpoint tensor name this model needs -> the parameter rows it fills.
+
+        HF keeps q/k/v and gate/up as separate tensors; we fuse each group into one matmul.
+        """
+        c = self.config
+        targets: dict[str, WeightTarget] = {
+            "model.embed_tokens.weight": (self.embed_tokens.weight, 0, c.vocab_size),
+            "model.norm.weight": (self.norm.weight, 0, c.hidden_size),
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = (self.lm_head.weight, 0, c.vocab_size)
+        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            targets[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
+            targets[p + "post_attention_layernorm.weight"] = (
+                layer.post_attention_layernorm.weight, 0, c.hidden_size)
+            for kind in ("weight", "bias") if c.attention_bias else ("weight",):
+                fused = getattr(attn.qkv_proj, kind)
+                targets[p + f"self_attn.q_proj.{kind}"] = (fused, 0, q)
+                targets[p + f"self_attn.k_proj.{kind}"] = (fused, q, q + kv)
+                targets[p + f"self_attn.v_proj.{kind}"] = (fused, q + kv, q + 2 * kv)
+            targets[p + "self_attn.o_proj.weight"] = (attn.o_proj.weight, 0, c.hidden_size)
+            targets[p + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, 0, inter)
+            targets[p + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, inter, 2 * inter)
+            targets[p + "mlp.down_proj.weight"] = (mlp.down_proj.weight, 0, c.hidden_size)
+        return targets

@@ -1,0 +1,49 @@
+"""The element-wise ops a model layer calls, gathered so that a device path can swap them.
+
+The default is kernels.reference (plain torch, the CPU path); the CUDA path uses
+common.models.ops_triton.TRITON_OPS, built from kernels' Triton kernels with the same signatures
+and semantics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.models.attention import AttentionBackend, AttentionMetadata
+from kernels import reference
+
+RmsNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
+                   tuple[torch.Tensor, torch.Tensor]]
+SiluAndMul = Callable[[torch.Tensor], torch.Tensor]
+# (q, k, v, positions, cos_sin, k_cache, v_cache, meta, backend) -> rotated q
+RotaryStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor, torch.Tensor, AttentionMetadata, AttentionBackend],
+                       torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOps:
+    rms_norm: RmsNorm          # (x, weight, eps, residual) -> (normed, new_residual)
+    silu_and_mul: SiluAndMul   # [..., 2n] -> [..., n]
+    # Rotary on q and k, then the rotated k and v into the paged cache at meta.slot_mapping.
+    # One op so that a kernel can fuse the two (the rotated k never exists outside the cache).
+    rotary_store: RotaryStore
+
+
+def reference_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           positions: torch.Tensor, cos_sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           backend: AttentionBackend) -> torch.Tensor:
+    q, k = reference.apply_rotary(q, k, positions, cos_sin)
+    backend.store_kv(k, v, k_cache, v_cache, meta)
+    return q
+
+
+REFERENCE_OPS = ModelOps(
+    rms_norm=reference.rms_norm,
+    silu_and_mul=reference.silu_and_mul,
+    rotary_store=reference_rotary_store,
+)

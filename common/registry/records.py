@@ -1,0 +1,110 @@
+"""What the registry stores: service instances and KV handoff descriptors (pure Python, JSON).
+
+Both records tolerate fields they do not know (dropped on decode), so services of two versions can
+share one registry during a rolling upgrade.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, get_args
+
+InstanceKind = Literal["prefill", "decode"]
+INSTANCE_KINDS: tuple[str, ...] = get_args(InstanceKind)
+
+
+def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """One prefill or decode service as the gateway sees it. The load fields are refreshed by the
+    instance's Heartbeat; they are at most one heartbeat interval (ttl / 3) old."""
+
+    instance_id: str
+    kind: InstanceKind
+    address: str                 # host:port of its gRPC server
+    model: str
+    host_id: str = ""            # common.kv_transport.locality.host_id() of its machine
+    block_size: int = 0          # tokens per KV block (the prefix index hashes blocks of this size)
+    num_waiting: int = 0
+    num_running: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.instance_id:
+            raise ValueError("instance_id must not be empty")
+        if self.kind not in INSTANCE_KINDS:
+            raise ValueError(f"kind must be one of {INSTANCE_KINDS}, got {self.kind!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> InstanceInfo:
+        return cls(**_known_fields(cls, json.loads(text)))
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffDescriptor:
+    """Everything a decode service needs to pull one request's prompt KV from the prefill service.
+
+    block_ids are the source's blocks in prompt order; the KV of block_ids[i] holds tokens
+    [i * block_size, (i + 1) * block_size) of the prompt. `transports` maps each transport the
+    source offers ("local", "shm", "cuda_ipc", "grpc") to what a receiver needs to use it (file
+    path, IPC handle in base64, address, ...); common.kv_transport.select_transport picks one by
+    locality. `checksum` is common.kv_transport.checksum.kv_checksum over the listed blocks.
+    """
+
+    request_id: str
+    source_instance: str
+    source_address: str          # host:port of the source's gRPC server (serves KVTransfer)
+    source_host_id: str          # locality.host_id() of the source machine
+    model: str
+    dtype: str                   # torch dtype name without "torch.", e.g. "bfloat16"
+    block_size: int
+    layout: str                  # axes of the pool: "layers,kv,blocks,block_size,kv_heads,head_dim"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_tokens: int              # prompt tokens whose KV the blocks hold
+    block_ids: list[int]
+    block_hashes: list[int]      # chained hashes of the full blocks (common.block_manager)
+    checksum: int
+    transports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    created_at: float = 0.0      # time.time() at publish
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must not be empty")
+        if self.block_size < 1 or not self.block_ids:
+            raise ValueError("a handoff needs block_size >= 1 and at least one block")
+        if self.num_tokens > len(self.block_ids) * self.block_size:
+            raise ValueError(f"{self.num_tokens} tokens do not fit in {len(self.block_ids)} "
+                             f"blocks of {self.block_size}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> HandoffDescriptor:
+        return cls(**_known_fields(cls, json.loads(text)))
+
+
+class HandoffState(enum.StrEnum):
+    """Where a published handoff stands, as the prefill side sees it."""
+
+    PENDING = "pending"    # record present, nobody claimed it yet
+    CLAIMED = "claimed"    # record present, a decode service claimed it and is pulling
+    DONE = "done"          # record gone: the decode side confirmed (complete_handoff)
+    EXPIRED = "expired"    # record gone without confirmation: the lease ran out (or cancelled)
+
+    @property
+    def finished(self) -> bool:
+        """The record is gone: the prefill side releases the handoff's blocks now."""
+        return self in (HandoffState.DONE, HandoffState.EXPIRED)

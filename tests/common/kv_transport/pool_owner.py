@@ -1,0 +1,55 @@
+"""A prefill-side process for the cross-process transport tests (run as a script, not collected).
+
+    python pool_owner.py {shm|cuda} SEED SHAPE BLOCK_IDS      e.g. shm 7 2,2,12,4,2,8 3,4,9
+
+Makes a pool filled with seeded random data (generated on the CPU, so the test can regenerate it),
+offers it through a KVSource, prints the handoff descriptor as one JSON line, then obeys stdin:
+"scribble B" adds 1 to block B and answers "ok"; "exit" closes the source and the pool file.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from common.kv_transport import KVSource, SharedMemoryPool
+
+
+def seeded_pool(seed: int, shape: list[int]) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def main() -> None:
+    kind, seed, shape_arg, ids_arg = sys.argv[1:5]
+    shape = [int(x) for x in shape_arg.split(",")]
+    block_ids = [int(x) for x in ids_arg.split(",")]
+    data = seeded_pool(int(seed), shape)
+    shm = None
+    if kind == "shm":
+        shm = SharedMemoryPool()
+        pool = shm(shape, torch.float32, "cpu")
+        pool.copy_(data)
+    else:
+        pool = data.to("cuda")
+        torch.cuda.synchronize()
+    source = KVSource(f"owner-{kind}", pool, "test-model", shm=shm)
+    desc = source.describe("req-1", block_ids, num_tokens=len(block_ids) * shape[3] - 1,
+                           block_hashes=[1, 2])
+    print(desc.to_json(), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "scribble":
+            pool[:, :, int(cmd[1])] += 1
+            if pool.is_cuda:
+                torch.cuda.synchronize()
+            print("ok", flush=True)
+        elif cmd[0] == "exit":
+            break
+    source.close()
+    if shm is not None:
+        shm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""GPU paths: cuda_ipc between two processes, and the CUDA sides of the checksum and block copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kv_transport import KVReceiver, TransferError, copy_blocks, kv_checksum
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SHAPE = [2, 2, 12, 4, 2, 8]  # layers, kv, blocks, block_size, kv_heads, head_dim
+
+
+def _seeded_pool(seed: int, shape: list[int]) -> torch.Tensor:
+    """The data pool_owner.py fills its pool with."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checksum_agrees_across_devices(dtype: torch.dtype) -> None:
+    pool = _seeded_pool(3, SHAPE).to(dtype)
+    ids = [11, 0, 5, 6, 7]
+    assert kv_checksum(pool.cuda(), ids) == kv_checksum(pool, ids)
+
+
+def test_copy_blocks_on_gpu() -> None:
+    src = _seeded_pool(4, SHAPE).cuda()
+    src_ids = list(range(11, -1, -1))
+    dst_ids = [(5 * i) % 12 for i in range(12)]
+    for dst_pool_ids in (dst_ids, dst_ids[:3]):
+        dst = torch.zeros_like(src)
+        copy_blocks(src, src_ids[:len(dst_pool_ids)], dst, dst_pool_ids)
+        for s, d in zip(src_ids, dst_pool_ids, strict=False):
+            assert torch.equal(dst[:, :, d], src[:, :, s])
+
+
+def test_cuda_ipc_pull_from_another_process(pool_owner) -> None:
+    owner = pool_owner("cuda", 11, SHAPE, [3, 4, 9, 0])
+    desc = owner.desc
+    assert sorted(desc.transports) == ["cuda_ipc", "local"]
+    dst = torch.zeros([2, 2, 8, 4, 2, 8], device="cuda")
+    receiver = KVReceiver()
+    assert receiver.pull(desc, dst, [6, 1, 2, 7]) == "cuda_ipc"
+    want = _seeded_pool(11, SHAPE)
+    for s, d in [(3, 6), (4, 1), (9, 2), (0, 7)]:
+        assert torch.equal(dst[:, :, d].cpu(), want[:, :, s])
+    assert int(torch.count_nonzero(dst[:, :, [0, 3, 4, 5]])) == 0
+
+    dst.zero_()
+    assert receiver.pull(desc, dst, [0, 1, 2, 3]) == "cuda_ipc"  # the opened handle is reused
+    assert torch.equal(dst[:, :, 2].cpu(), want[:, :, 9])
+
+    assert owner.command("scribble 9") == "ok"
+    with pytest.raises(TransferError, match="checksum mismatch"):
+        receiver.pull(desc, dst, [6, 1, 2, 7])
+    receiver.close()
+    assert owner.exit() == 0

@@ -1,0 +1,109 @@
+"""kernels.decode_attention against reference.paged_attention_decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.decode_attention import DecodeConfig, DecodeWorkspace, paged_attention_decode
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Case:
+    seq_lens: tuple[int, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = F32
+    num_splits: int | None = None  # None: the launcher's heuristic
+    block_n: int = 16
+
+
+def _cpu(case: Case, name: str):
+    return pytest.param("cpu", case, id=f"cpu-{name}")
+
+
+def _gpu(case: Case, name: str):
+    return pytest.param("cuda", case, id=f"cuda-{name}", marks=pytest.mark.gpu)
+
+
+CASES = [
+    _cpu(Case((1, 7, 30, 13), 8, 2, 32, 4, num_splits=3), "gqa4-ragged-splits3"),
+    _cpu(Case((5, 16, 1), 2, 2, 32, 4, num_splits=1), "gqa1-one-split"),
+    _cpu(Case((40, 9), 6, 2, 64, 8), "gqa3-default-splits"),
+    _cpu(Case((1, 1), 4, 1, 16, 4, num_splits=4), "context1-empty-splits"),
+    _gpu(Case((4096, 1, 17, 2500, 1000, 4095, 33, 3000), 32, 8, 128, 16, BF16, block_n=64),
+         "llama8b-bf16-default"),
+    _gpu(Case((4096, 1, 17, 2500), 32, 8, 128, 16, BF16, num_splits=1, block_n=64),
+         "llama8b-bf16-one-split"),
+    _gpu(Case((2048, 3, 700), 32, 8, 128, 16, F32, num_splits=7, block_n=32), "llama8b-f32"),
+    _gpu(Case((1500, 64, 1), 9, 3, 64, 16, BF16, block_n=64), "smollm-gqa3-bf16"),
+    _gpu(Case((333, 1024), 8, 8, 128, 16, BF16, num_splits=5, block_n=64), "gqa1-bf16"),
+]
+
+
+def _reference(q, k_cache, v_cache, tables, seq_lens, scale):
+    return reference.paged_attention_decode(q.float(), k_cache.float(), v_cache.float(),
+                                            tables, seq_lens, scale)
+
+
+@pytest.mark.parametrize("device,case", CASES)
+def test_matches_reference(device: str, case: Case, make_paged, check_rel) -> None:
+    k_cache, v_cache, tables = make_paged(list(case.seq_lens), case.block_size, case.kv_heads,
+                                          case.head_dim, case.dtype, device)
+    b = len(case.seq_lens)
+    q = torch.randn(b, case.heads, case.head_dim, device=device).to(case.dtype)
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=device)
+    scale = case.head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, scale, out=out,
+                                 num_splits=case.num_splits,
+                                 config=DecodeConfig(block_n=case.block_n))
+    assert got is out
+    tol = 1e-5 if case.dtype == F32 else 1e-2
+    check_rel(out.float(), _reference(q, k_cache, v_cache, tables, seq_lens, scale), tol)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_preallocated_workspace_and_padding_rows(device: str, make_paged, check_rel) -> None:
+    """The CUDA-graph way: a poisoned workspace for a larger batch, fixed splits; a row with
+    seq_len 0 (batch padding) comes out as zeros."""
+    lens = [13, 0, 6]
+    k_cache, v_cache, tables = make_paged(lens, 4, 2, 32, F32, device)
+    q = torch.randn(3, 4, 32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    ws = DecodeWorkspace.allocate(8, 4, 32, 3, device)
+    for t in (ws.acc, ws.max, ws.sum):
+        t.fill_(float("nan"))
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, 0.2, out=out, workspace=ws,
+                           config=DecodeConfig(block_n=16))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = torch.tensor([0, 2], device=device)
+    ref = _reference(q[keep], k_cache, v_cache, tables[keep], seq_lens[keep], 0.2)
+    check_rel(out[keep], ref, 1e-5)
+
+
+def test_rejects_bad_arguments() -> None:
+    q = torch.randn(2, 4, 32)
+    k = torch.randn(5, 4, 2, 32)
+    tables = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_tables: dtype"):
+        paged_attention_decode(q, k, k, tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged_attention_decode(torch.randn(2, 3, 32), k, k, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens: expected shape"):
+        paged_attention_decode(q, k, k, tables, lens[:1], 1.0)
+    with pytest.raises(ValueError, match="k_cache: the last dimension must be contiguous"):
+        kt = torch.randn(5, 4, 2, 64)[..., ::2]
+        paged_attention_decode(q, kt, kt, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_attention_decode(q, k, k, tables, lens, 1.0, num_splits=2,
+                               workspace=DecodeWorkspace.allocate(2, 4, 32, 3, "cpu"))
