@@ -1,0 +1,217 @@
+"""Next-token sampling for a batch of sequences: penalties, temperature, min-p/top-k/top-p, seeds.
+
+Order of operations for each row (each step is skipped when no row in the batch needs it):
+
+    raw logits --(log_softmax)--> the logprobs a request asked for (vLLM V1's default)
+        |
+        min_tokens: EOS and stop_token_ids get -inf while the row has fewer outputs than asked
+        repetition penalty (HF: prompt + output tokens), then frequency/presence (OpenAI: outputs)
+        |-- greedy rows (temperature ~0 or top_k == 1): argmax, no randomness consumed
+        `-- other rows: / temperature -> min-p -> top-k -> top-p -> softmax -> exponential race
+
+The exponential race picks argmax(probs / E) with E ~ Exp(1) per token, which samples exactly from
+probs. A seeded request draws its E row from its own torch.Generator, one draw per sampled token, so
+its tokens do not depend on the rest of the batch, the batch order, or recomputation after
+preemption (which does not sample). The whole call makes one host-device sync: the final tolist().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from common.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the raw logits
+    top: tuple[tuple[int, float], ...]  # the params.logprobs most likely (token_id, logprob)
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # None where the request did not ask for logprobs
+
+
+class Sampler:
+    """Stateless except for the per-request generators of seeded requests (see forget())."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's generator; unknown ids are ignored."""
+        self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        # logits: [num_seqs, vocab] float32; row i belongs to seqs[i]
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
+        if not seqs:
+            return SamplerOutput([], [])
+        masked = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
+        penalised = [i for i, seq in enumerate(seqs) if seq.params.needs_penalties]
+        work = logits.clone() if masked or penalised else logits
+        if masked:
+            _mask_stop_tokens(work, [seqs[i] for i in masked], masked)
+        if penalised:
+            _apply_penalties(work, [seqs[i] for i in penalised], penalised)
+        tokens = self._pick_tokens(work, seqs)
+        return _collect(logits, tokens, seqs)
+
+    def _pick_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
+        if len(greedy) == len(seqs):
+            return logits.argmax(dim=-1)
+        sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if not greedy:
+            return self._sample(logits, seqs)
+        device = logits.device
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
+        greedy_rows = _to_device(greedy, torch.long, device)
+        sampled_rows = _to_device(sampled, torch.long, device)
+        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        tokens[sampled_rows] = self._sample(logits[sampled_rows], [seqs[i] for i in sampled])
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [seq.params for seq in seqs]
+        vocab = logits.shape[1]
+        settings = _to_device(
+            [[p.temperature, p.min_p, float(p.top_k if p.top_k > 0 else vocab), p.top_p]
+             for p in params], torch.float32, logits.device)
+        logits = logits / settings[:, 0:1]
+        if any(p.min_p > 0.0 for p in params):
+            probs = logits.softmax(dim=-1)
+            floor = settings[:, 1:2] * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < floor, float("-inf"))
+        top_k = settings[:, 2:3].long()
+        if any(p.top_p < 1.0 for p in params):
+            logits = _top_k_top_p(logits, top_k, settings[:, 3:4])
+        elif any(p.top_k > 0 for p in params):
+            logits = _top_k(logits, top_k, max(min(p.top_k, vocab) for p in params))
+        probs = logits.softmax(dim=-1)
+        return probs.div_(self._exponential_noise(seqs, vocab, logits.device)).argmax(dim=-1)
+
+    def _exponential_noise(self, seqs: list[Sequence], vocab: int,
+                           device: torch.device) -> torch.Tensor:
+        noise = torch.empty(len(seqs), vocab, dtype=torch.float32, device=device)
+        unseeded = [i for i, seq in enumerate(seqs) if seq.params.seed is None]
+        if len(unseeded) == len(seqs):
+            noise.exponential_()
+        else:
+            if unseeded:
+                shared = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
+                noise[_to_device(unseeded, torch.long, device)] = shared.exponential_()
+            for i, seq in enumerate(seqs):
+                if seq.params.seed is not None:
+                    noise[i].exponential_(generator=self._generator(seq, vocab, device))
+        # Exp(1) can return 0 in principle; a 0 would turn a masked token's 0 / 0 into NaN.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _generator(self, seq: Sequence, vocab: int, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(seq.request_id)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seq.params.seed)
+            # A request that arrives with outputs already sampled (by another service before a
+            # handoff) resumes its stream: skip the draws those tokens used.
+            scratch = torch.empty(vocab, dtype=torch.float32, device=device)
+            for _ in range(seq.num_output_tokens):
+                scratch.exponential_(generator=generator)
+            self._generators[seq.request_id] = generator
+        return generator
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a sync (pinned memory, asynchronous copy)."""
+    tensor = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """In place: EOS and stop_token_ids get -inf in the given rows (min_tokens not reached)."""
+    vocab = logits.shape[1]
+    flat = [row * vocab + t for row, seq in zip(rows, seqs, strict=True)
+            for t in {*seq.eos_token_ids, *seq.params.stop_token_ids} if t < vocab]
+    if flat:
+        logits.view(-1).index_fill_(0, _to_device(flat, torch.long, logits.device), float("-inf"))
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """In place on the given rows: repetition penalty over prompt + output tokens (HF: divide a
+    positive logit, multiply a negative one), then frequency * count and presence * (count > 0)
+    over output tokens subtracted (OpenAI)."""
+    device, vocab = logits.device, logits.shape[1]
+    # Flat positions row * vocab + token in the [len(seqs), vocab] penalty tensors.
+    out_flat = [j * vocab + t for j, seq in enumerate(seqs) for t in seq.output_token_ids]
+    prompt_flat = [j * vocab + t for j, seq in enumerate(seqs) for t in seq.prompt_token_ids]
+    factors = _to_device(
+        [[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+         for s in seqs], torch.float32, device)
+    out_index = _to_device(out_flat, torch.long, device)
+    seen_index = _to_device(prompt_flat + out_flat, torch.long, device)
+    row_index = _to_device(rows, torch.long, device)
+
+    counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
+    counts.view(-1).index_add_(0, out_index, torch.ones(len(out_flat), device=device))
+    seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+    seen.view(-1).index_fill_(0, seen_index, True)
+
+    sub = logits[row_index]
+    repetition = factors[:, 0:1]
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub -= factors[:, 1:2] * counts + factors[:, 2:3] * (counts > 0).float()
+    logits[row_index] = sub
+
+
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    # top_k: [rows, 1], vocab where off. Keeps exactly k tokens (ties broken by topk's order).
+    _, indices = logits.topk(max_k, dim=-1)
+    keep_ranked = torch.arange(max_k, device=logits.device) < top_k
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, keep_ranked)
+    keep |= top_k >= logits.shape[1]
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # Top-p keeps the smallest set of most likely tokens (after top-k) whose mass reaches p:
+    # a token survives while the mass ranked strictly above it is still below p.
+    ranked, indices = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device)
+    drop_ranked = rank >= top_k
+    ranked = ranked.masked_fill(drop_ranked, float("-inf"))
+    probs = ranked.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop_ranked |= (mass_above >= top_p) & (top_p < 1.0)
+    drop = torch.empty_like(drop_ranked).scatter_(1, indices, drop_ranked)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _collect(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not wanted:
+        return SamplerOutput(tokens.tolist(), [None] * len(seqs))
+    # Token ids, sampled logprobs and the top-n pairs travel in one float64 tensor (ids < 2**53
+    # are exact) so that the host syncs once.
+    n = max(seqs[i].params.logprobs for i in wanted)
+    rows = _to_device(wanted, torch.long, raw.device)
+    logprobs = raw[rows].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))
+    top_values, top_ids = logprobs.topk(n, dim=-1)
+    packed = torch.zeros(len(seqs), 2 + 2 * n, dtype=torch.float64, device=raw.device)
+    packed[:, 0] = tokens
+    packed[rows, 1:] = torch.cat([chosen.double(), top_ids.double(), top_values.double()], dim=1)
+    host = packed.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    for i in wanted:
+        row, k = host[i], seqs[i].params.logprobs
+        top = tuple((int(t), v) for t, v in zip(row[2:2 + k], row[2 + n:2 + n + k], strict=True))
+        out[i] = TokenLogprobs(int(row[0]), row[1], top)
+    return SamplerOutput([int(row[0]) for row in host], out)
