@@ -3,7 +3,7 @@
 #   1. the kernel tests on the GPU (tests/kernels, real shapes; the CPU cases skip themselves)
 #   2. the kernel benchmark: copy bandwidth, decode-attention bandwidth table (T5), block copy
 #      (T7), extend attention; table on stdout, full numbers in $OUT/kernels.json
-#   3. HOOK: the model-vs-HF check (added by the lead)
+#   3. the model-vs-HF check (bench/gpu_model_check.py)
 # Logs and JSON go to $OUT (the device tool's output folder; ./out when unset).
 # Arguments are passed to bench/gpu_kernels.py (e.g. --sweep to time launch configurations).
 set -uo pipefail
@@ -26,11 +26,11 @@ python3 bench/gpu_kernels.py --out "$OUT/kernels.json" "$@" 2>&1 | tee "$OUT/ben
 bench_rc=${PIPESTATUS[0]}
 
 echo "== 3. model check ($(date +%T))"
-# ---- HOOK (lead): the model-vs-HF check goes here, as a second python invocation, e.g.
-#   python3 bench/model_check.py --out "$OUT/model_check.json" 2>&1 | tee "$OUT/model_check.log"
-#   model_rc=${PIPESTATUS[0]}
-model_rc=0
-echo "(no model check yet)"
+# Our model (engine path: paged cache, Triton kernels, CUDA graphs) against HF transformers on
+# random weights of the llama-3.2-1b shape: bf16 logits within tolerance, greedy tokens equal
+# up to the first near-tie.
+python3 bench/gpu_model_check.py --out "$OUT/model_check.json" 2>&1 | tee "$OUT/model_check.log"
+model_rc=${PIPESTATUS[0]}
 
 echo "== rc: tests=$tests_rc bench=$bench_rc model=$model_rc ($(date +%T))"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$model_rc" -eq 0 ]
