@@ -28,6 +28,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     model_cache_dir: str = str(DEFAULT_CACHE_DIR)
     seed: int = 0
+    speculative_method: str | None = None  # None (off), "ngram" or "draft"
+    speculative_model: str | None = None   # the draft model (method "draft")
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     HELP = {
         "model": "model: a HF directory, a .gguf file, SmolLM2-135M-Instruct, or dummy:<shape>",
@@ -46,6 +51,13 @@ class EngineConfig:
         "enable_chunked_prefill": "split long prompts across steps and mix them with decodes",
         "model_cache_dir": "where converted (GGUF -> safetensors) models are cached",
         "seed": "seed for dummy weights and unseeded sampling",
+        "speculative_method": "speculative decoding: ngram (prompt lookup) or draft (a smaller "
+                              "model, --speculative-model); default off",
+        "speculative_model": "draft model for --speculative-method draft (same tokenizer and "
+                             "vocabulary as --model; same spec forms as --model)",
+        "num_speculative_tokens": "draft tokens proposed per sequence and step (k)",
+        "prompt_lookup_min": "ngram: shortest suffix n-gram looked up in the prompt and output",
+        "prompt_lookup_max": "ngram: longest suffix n-gram looked up (tried first)",
     }
 
     def __post_init__(self) -> None:
@@ -61,6 +73,17 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"unknown speculative method {self.speculative_method!r} "
+                             "(ngram or draft)")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("--speculative-model goes with --speculative-method draft")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1, "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
 
     @property
     def model_name(self) -> str:

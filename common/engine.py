@@ -1,7 +1,8 @@
 """The in-process engine: requests in, streamed tokens out, one scheduler step at a time.
 
-    add_request() -> Scheduler.waiting -> step(): schedule -> ModelRunner.execute -> update
-                  -> stop checks / detokenize -> RequestOutput deltas
+    add_request() -> Scheduler.waiting -> step(): [propose drafts] -> schedule
+                  -> ModelRunner.execute (sample / verify) -> stop checks / detokenize
+                  -> Scheduler.update -> RequestOutput deltas
 
 Not thread-safe: services drive it from a single thread (common/engine_loop.py).
 """
@@ -23,6 +24,8 @@ from common.sampler import TokenLogprobs
 from common.sampling_params import InvalidRequestError, SamplingParams
 from common.scheduler import Scheduler, SchedulerConfig
 from common.sequence import FinishReason, Sequence
+from common.spec_decode.draft_model import kv_bytes_per_block, load_draft_model
+from common.spec_decode.speculator import SpecDecodeCounters, make_speculator
 from common.tokenizer import Tokenizer
 
 log = logging.getLogger("splitserve.engine")
@@ -96,7 +99,16 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        self.runner = ModelRunner(self.model, mc, config, self.device, self.dtype, kv_cache_allocator)
+        draft_model = None
+        draft_bytes = 0
+        if config.speculative_method == "draft":  # loaded first: its weights are not KV memory
+            draft_model, draft_mc = load_draft_model(config, mc, self.dtype, self.device)
+            draft_bytes = kv_bytes_per_block(draft_mc, config.block_size, self.dtype)
+        self.runner = ModelRunner(self.model, mc, config, self.device, self.dtype,
+                                  kv_cache_allocator, extra_bytes_per_block=draft_bytes)
+        self.speculator = make_speculator(config, self.max_model_len,
+                                          num_blocks=self.runner.num_blocks,
+                                          backend=self.runner.backend, draft_model=draft_model)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -121,6 +133,11 @@ class LLMEngine:
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    @property
+    def spec_counters(self) -> SpecDecodeCounters:
+        """Speculative decoding totals (all zero when it is off)."""
+        return self.speculator.counters if self.speculator else SpecDecodeCounters()
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -209,20 +226,36 @@ class LLMEngine:
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        draft_probs = self.speculator.propose(self.scheduler.running) if self.speculator else {}
         out = self.scheduler.schedule()
+        if self.speculator:
+            for seq in out.preempted:
+                self.speculator.forget(seq.request_id)
         if out.is_empty:
             return outputs
-        seqs, sampled = self.runner.execute(out)
-        self.scheduler.update(out)
+        result = self.runner.execute(out, draft_probs)
+        if self.speculator:
+            self.speculator.record(result.num_drafts, result.num_accepted)
         now = time.monotonic()
-        for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-            new_text, reason = self._append(seq, token)
+        appended = []
+        for seq, tokens, lps in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
+            # Token by token: the first one that ends the request discards those after it.
+            new_ids: list[int] = []
+            new_text, reason = "", None
+            for token in tokens:
+                delta, reason = self._append(seq, token)
+                new_ids.append(token)
+                new_text += delta
+                if reason is not None:
+                    break
+            appended.append((seq, new_ids, new_text, lps, reason))
+        self.scheduler.update(out)  # after the appends: it counts verified tokens
+        for seq, new_ids, new_text, lps, reason in appended:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(self._output(seq, [token], new_text, [lp] if lp is not None else None,
-                                        now))
+            outputs.append(self._output(seq, new_ids, new_text, lps, now))
         return outputs
 
     def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
@@ -257,6 +290,8 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.texts.pop(request_id, None)
         self.runner.sampler.forget(request_id)
+        if self.speculator:
+            self.speculator.forget(request_id)
 
     def _output(self, seq: Sequence, new_ids: list[int], new_text: str,
                 logprobs: list | None, now: float) -> RequestOutput:

@@ -1,12 +1,15 @@
 """Executes a SchedulerOutput: builds the flat batch, runs the model, samples (mechanism only).
 
 The runner makes no policy decision; it turns "compute these tokens of these sequences" into
-tensors, owns the KV pool, and returns one sampled token per sequence that caught up.
+tensors, owns the KV pool, and returns for each sequence that caught up one sampled token, after
+the draft tokens the target model accepted when the sequence speculated (verification: logits at
+the last known token and at every draft, then common.spec_decode.rejection).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -14,15 +17,18 @@ import torch
 from common.config import EngineConfig
 from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.model_config import ModelConfig
-from common.sampler import Sampler, SamplerOutput
+from common.sampler import Sampler, TokenLogprobs
 from common.scheduler import ScheduledSeq, SchedulerOutput
 from common.sequence import Sequence
+from common.spec_decode.rejection import RejectionSampler
 
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
 def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
+    # Zeroed, not empty: the reference decode attention multiplies masked-out slots by a zero
+    # weight, and 0 * NaN from uninitialised memory would poison the row.
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -35,10 +41,65 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     return TorchAttentionBackend()
 
 
+class BatchRow(NamedTuple):
+    token_ids: list[int]  # the tokens computed this step
+    start: int            # position of the first of them (tokens already in the cache before)
+    block_table: list[int]
+
+
+def build_batch(rows: list[BatchRow], block_size: int, device: torch.device,
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids, positions and attention metadata of one flat step. Rows of one token (decodes)
+    must come first: the attention backends rely on it."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    num_decodes = 0
+    max_blocks = max(len(r.block_table) for r in rows)
+    tables: list[list[int]] = []
+    for tokens, start, table in rows:
+        end = start + len(tokens)
+        num_decodes += len(tokens) == 1
+        input_ids.extend(tokens)
+        positions.extend(range(start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(start, end))
+        qsl.append(qsl[-1] + len(tokens))
+        seq_lens.append(end)
+        tables.append(table + [0] * (max_blocks - len(table)))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_query_len=max(len(r.token_ids) for r in rows),
+        max_seq_len=max(seq_lens),
+    )
+    return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device), meta)
+
+
+class StepOutput(NamedTuple):
+    """The sequences that sampled this step (batch order) and what each of them got."""
+    seqs: list[Sequence]
+    token_ids: list[list[int]]  # per sequence: its accepted drafts, then one sampled token
+    logprobs: list[list[TokenLogprobs] | None]  # per sequence, where it asked for them
+    num_drafts: list[int]       # drafts verified per sequence (0: it did not speculate)
+    num_accepted: list[int]     # of which accepted
+
+
 class ModelRunner:
+    """`extra_bytes_per_block`: memory per block that another pool of the same number of blocks
+    takes from the same budget (the draft model's KV, see common.spec_decode.draft_model)."""
+
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  device: torch.device, dtype: torch.dtype,
-                 kv_cache_allocator: KVAllocator | None = None):
+                 kv_cache_allocator: KVAllocator | None = None, *,
+                 extra_bytes_per_block: int = 0):
         self.model = model
         self.mc = model_config
         self.config = config
@@ -47,6 +108,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = make_attention_backend(config.attention_backend, device)
         self.sampler = Sampler()
+        self.verifier = RejectionSampler(self.sampler)
+        self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks = self._pool_size()
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
                  model_config.num_kv_heads, model_config.head_dim)
@@ -67,59 +130,83 @@ class ModelRunner:
         else:
             budget = min(self.config.cpu_kv_cache_gib * 2**30,
                          psutil.virtual_memory().available * self.config.kv_cache_memory_fraction)
-        return max(1, int(budget // self.bytes_per_block))
+        return max(1, int(budget // (self.bytes_per_block + self.extra_bytes_per_block)))
 
     # ---- one step -----------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor,
                                                       torch.Tensor, AttentionMetadata]:
-        """Order decodes first (the attention backends rely on it) and build the flat batch."""
+        """Order decodes first (the attention backends rely on it) and build the flat batch;
+        a speculating sequence's rows are its known tokens followed by its drafts."""
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        num_decodes = sum(1 for s in items if s.num_new_tokens == 1)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        max_blocks = max(len(s.seq.block_table) for s in items)
-        tables: list[list[int]] = []
+        rows = []
         for s in items:
             seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(table + [0] * (max_blocks - len(table)))
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            max_query_len=max(s.num_new_tokens for s in items),
-            max_seq_len=max(seq_lens),
-        )
-        return (items, torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+            known = seq.token_ids[start:start + s.num_new_tokens - len(s.spec_token_ids)]
+            rows.append(BatchRow(known + s.spec_token_ids, start, seq.block_table))
+        return (items, *build_batch(rows, self.block_size, self.device))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
-        """Run one step; returns the sequences that sampled, and their samples (same order)."""
+    def execute(self, out: SchedulerOutput,
+                draft_probs: Mapping[str, torch.Tensor] | None = None) -> StepOutput:
+        """Run one step. draft_probs: request id -> [num drafts proposed, vocab], the proposal
+        distribution of each draft token, for drafts that were sampled (absent: deterministic)."""
         items, input_ids, positions, meta = self.prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
-        last = meta.query_start_loc[1:] - 1
-        sampling = [i for i, s in enumerate(items) if s.samples]
-        seqs = [items[i].seq for i in sampling]
-        if not seqs:
-            return [], SamplerOutput([], [])
-        idx = last[torch.tensor(sampling, device=self.device)] if len(sampling) < len(items) else last
-        logits = self.model.compute_logits(hidden[idx.long()])
-        return seqs, self.sampler(logits, seqs)
+        sampling = [s for s in items if s.samples]
+        if not sampling:
+            return StepOutput([], [], [], [], [])
+        # Logits rows: the last token of each sampling sequence, preceded by its drafts' rows.
+        rows: list[int] = []
+        end = 0
+        for s in items:
+            end += s.num_new_tokens
+            if s.samples:
+                rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[idx] if len(rows) < end else hidden)
+        seqs = [s.seq for s in sampling]
+        if not any(s.spec_token_ids for s in sampling):
+            sampled = self.sampler(logits, seqs)
+            n = len(seqs)
+            return StepOutput(seqs, [[t] for t in sampled.token_ids],
+                              [None if lp is None else [lp] for lp in sampled.logprobs],
+                              [0] * n, [0] * n)
+        return self._verify(sampling, logits, draft_probs or {})
+
+    def _verify(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
+                draft_probs: Mapping[str, torch.Tensor]) -> StepOutput:
+        """Sequences without drafts go through the plain sampler, the others through the
+        rejection sampler; logits holds 1 + len(drafts) rows per sequence, in order."""
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        offset = 0
+        for s in sampling:
+            n = 1 + len(s.spec_token_ids)
+            (spec_rows if s.spec_token_ids else plain_rows).extend(range(offset, offset + n))
+            offset += n
+        n = len(sampling)
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * n
+        num_drafts, num_accepted = [0] * n, [0] * n
+        plain = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
+        if plain:
+            rows = torch.tensor(plain_rows, dtype=torch.int64, device=self.device)
+            sampled = self.sampler(logits[rows], [sampling[i].seq for i in plain])
+            for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
+                token_ids[i] = [t]
+                logprobs[i] = None if lp is None else [lp]
+        spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
+        drafts = [sampling[i].spec_token_ids for i in spec]
+        probs = [draft_probs.get(sampling[i].seq.request_id) for i in spec]
+        rows = torch.tensor(spec_rows, dtype=torch.int64, device=self.device)
+        verified = self.verifier(logits[rows], [sampling[i].seq for i in spec], drafts,
+                                 [None if q is None else q[:len(d)]
+                                  for q, d in zip(probs, drafts, strict=True)])
+        for i, d, tokens, a in zip(spec, drafts, verified.token_ids, verified.num_accepted,
+                                   strict=True):
+            token_ids[i], num_drafts[i], num_accepted[i] = tokens, len(d), a
+        return StepOutput([s.seq for s in sampling], token_ids, logprobs, num_drafts,
+                          num_accepted)
 
     # ---- KV blocks in and out (handoff) -------------------------------------------------------
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:

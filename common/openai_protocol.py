@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.sampling_params import InvalidRequestError, SamplingParams
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -28,6 +32,7 @@ class _Request(BaseModel):
     seed: int | None = None
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -39,6 +44,11 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """Streaming: end with a chunk that carries usage (and no choices)."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
         if self.n != 1:
@@ -171,3 +181,40 @@ def chat_logprobs(tokens: list[str], logprobs: list[Any], top_tokens: list[list[
 def error_body(message: str, type_: str = "invalid_request_error", code: int = 400,
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def completion_chunk(*, request_id: str, model: str, created: int, text: str,
+                     finish_reason: str | None, token_ids: list[int] | None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece of a completion; token_ids (return_token_ids) None leaves them out."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
+                              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def chat_chunk(*, request_id: str, model: str, created: int, delta: dict[str, Any],
+               finish_reason: str | None, token_ids: list[int] | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece of a chat completion (delta: {"role": ...} first, then {"content": ...})."""
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def usage_chunk(*, request_id: str, object_: str, model: str, created: int,
+                usage_: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with stream_options.include_usage: usage and no choices."""
+    return {"id": request_id, "object": object_, "created": created, "model": model,
+            "choices": [], "usage": usage_}
+
+
+def model_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": model, "object": "model", "created": created, "owned_by": "splitserve",
+         "root": model, "max_model_len": max_model_len or None}]}

@@ -29,6 +29,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Keep the KV blocks after the request finishes (prefill service: they await a handoff).
     hold_blocks: bool = False
+    # Opt out of speculative decoding (when the engine has it on). Requests with penalties or
+    # logprobs never speculate: see common/spec_decode/speculator.py.
+    speculative: bool = True
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 64

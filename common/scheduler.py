@@ -6,6 +6,11 @@ for each sequence, how many of its known tokens to compute this step. Running se
 the block pool allow. When a running sequence cannot get a block, the most recently admitted
 running sequence is preempted by recompute: its blocks are freed, its computed count reset, and it
 goes back to the head of the waiting queue (prefix caching usually finds its blocks again).
+
+Speculative decoding is the same arithmetic: a running sequence that carries draft tokens
+(seq.spec_token_ids, proposed before schedule()) gets 1 + len(drafts) new tokens, counted in the
+budget and in its blocks. Drafts are trimmed to the budget and dropped rather than preempting
+anyone for them.
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens of seq.token_ids computed this step, from seq.num_computed_tokens
-    # True when this step brings the sequence level with its known tokens: sample one more.
-    # Fixed at scheduling time (update() moves num_computed_tokens afterwards).
+    # Tokens computed this step from seq.num_computed_tokens: known tokens, then the drafts.
+    num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+    # True when this step brings the sequence level with its known tokens: sample one more (and
+    # verify the drafts). Fixed at scheduling time (update() moves num_computed_tokens afterwards).
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        self.samples = self.seq.num_computed_tokens + known == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -101,10 +109,14 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             if num_new <= 0:
                 i += 1
                 continue
+            num_drafts = max(0, num_new - seq.num_uncomputed_tokens)
+            if num_drafts and not self.bm.allocate(seq.block_table,
+                                                   seq.num_computed_tokens + num_new):
+                num_new, num_drafts = num_new - num_drafts, 0  # no preemption for drafts
             while not self.bm.allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 victim = running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -112,7 +124,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new, seq.spec_token_ids[:num_drafts]))
                 budget -= num_new
                 i += 1
 
@@ -157,6 +169,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.block_table)
         seq.block_hashes.clear()
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -164,9 +177,24 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, out: SchedulerOutput) -> None:
-        """Advance computed counts after the runner executed `out`, and register full blocks."""
+        """Advance computed counts after the runner executed `out`, and register full blocks.
+
+        A speculating sequence must have its verified tokens appended first. Its KV was computed
+        for the last known token t and every draft d; only accepted drafts keep theirs:
+
+            step:   | computed ....... | t | d1 d2 d3 |    KV written for t, d1, d2, d3
+            after:  | computed ............ | d1 | x |    d1 accepted, x sampled (no KV yet)
+
+        so computed stops one short of the known tokens, and the prefix cache only ever hashes
+        blocks of verified tokens.
+        """
         for s in out.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            advance = s.num_new_tokens
+            if s.spec_token_ids:
+                advance = min(advance, seq.num_tokens - 1 - seq.num_computed_tokens)
+            if seq.spec_token_ids:  # proposals are for one step only
+                seq.spec_token_ids = []
+            seq.num_computed_tokens += advance
             self.bm.cache_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids,
                                       seq.num_computed_tokens)

@@ -49,6 +49,9 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Draft tokens proposed for the next step (speculative decoding). They are not known tokens:
+    # only those the target model verifies are appended to token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -17,6 +17,7 @@ COMMANDS = {
     "decode": "Run one decode service.",
     "generate": "Send a prompt to a running gateway and stream the answer.",
     "run-batch": "Run an OpenAI batch file (JSONL) offline through the in-process engine.",
+    "bench": "Benchmark a running gateway (gRPC or HTTP) and/or HF transformers on one workload.",
 }
 
 

@@ -1,0 +1,207 @@
+"""Latency of the disaggregated gRPC stack against the in-process engine, on CPU, in one run.
+
+    .venv/bin/python bench/stack_latency.py [--requests 20] [--out out/stack_latency.json]
+
+Starts a private redis-server, one prefill, one decode and one gateway process (the command lines
+of splitserve.launch), and loads the same engine in this process. Requests run one at a time
+(batch 1), alternating between the two paths, with distinct random prompts (no prefix-cache
+hits), greedy, EOS ignored:
+
+- TTFT: from sending the request to receiving the first token (client side of the gateway; from
+  add_request to the first output in process, stepping on a worker thread as the services do).
+  Target: stack p50 within 1 ms of in-process p50. Also shown without the engine's own
+  arrival-to-first-token time, which takes the model's compute (and most noise) out.
+- ITL: time between consecutive tokens. Target: within 0.3 ms at p50.
+- Handoff: for 512-token prompts, (publish on the prefill side + claim, reserve, pull, verify
+  and confirm on the decode side) / prefill compute time. Target: at most 5 %.
+
+Prints a table and writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.registry import BlockRegistry, EmbeddedRedis
+from common.registry.embedded import free_port
+from common.sampling_params import SamplingParams
+from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from splitserve.launch import service_argv, start_service, stop_services
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=20, help="timed requests per path")
+    p.add_argument("--warmup", type=int, default=3, help="untimed requests per path first")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length for TTFT/ITL")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--handoff-prompt-tokens", type=int, default=512,
+                   help="prompt length for the handoff fraction")
+    p.add_argument("--handoff-requests", type=int, default=5, help="requests for the handoff")
+    p.add_argument("--num-kv-blocks", type=int, default=256, help="KV pool of every engine")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--out", default="out/stack_latency.json", help="where to write the JSON")
+    return p.parse_args()
+
+
+def random_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def in_process(engine: LLMEngine, prompt: list[int], max_tokens: int,
+               ) -> tuple[list[float], float]:
+    """Arrival times (perf_counter) of each token, the request submitted at the first entry;
+    and the engine's own time from arrival to the first token, in ms."""
+    rid = f"bench-{time.monotonic_ns()}"
+    times = [time.perf_counter()]
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   ignore_eos=True))
+    engine_ttft = 0.0
+    while engine.has_unfinished():
+        for out in engine.step():
+            times.extend([time.perf_counter()] * len(out.new_token_ids))
+            if len(times) == 2:
+                m = out.metrics
+                engine_ttft = (m.first_token_time - m.arrival_time) * 1e3
+    return times, engine_ttft
+
+
+def through_stack(stub: generation_pb2_grpc.GenerationStub, prompt: list[int],
+                  max_tokens: int) -> tuple[list[float], types_pb2.StageTimings]:
+    request = generation_pb2.GenerateRequest(
+        prompt_token_ids=generation_pb2.TokenIds(ids=prompt),
+        params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    times = [time.perf_counter()]
+    timings = None
+    for msg in stub.GenerateStream(request, timeout=600):
+        times.extend([time.perf_counter()] * len(msg.token_ids))
+        if msg.finish_reason:
+            timings = msg.timings
+    assert len(times) == max_tokens + 1 and timings is not None
+    return times, timings
+
+
+def latencies(runs: list[list[float]]) -> tuple[list[float], list[float]]:
+    """TTFTs and inter-token gaps in milliseconds."""
+    ttft = [(r[1] - r[0]) * 1e3 for r in runs]
+    itl = [(b - a) * 1e3 for r in runs for a, b in zip(r[1:], r[2:], strict=False)]
+    return ttft, itl
+
+
+def start_stack(args: argparse.Namespace, log_dir: Path):
+    redis = EmbeddedRedis()
+    registry = BlockRegistry(redis.url, "bench")
+    flags = ["--num-kv-blocks", str(args.num_kv_blocks)]
+    port = free_port()
+    procs = []
+    for role, extra, p in (("prefill", flags, 0), ("decode", flags, 0), ("gateway", [], port)):
+        log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115 (the child keeps it)
+        procs.append(start_service(service_argv(role, registry_url=redis.url, namespace="bench",
+                                                port=p, extra=extra), stdout=log, stderr=log))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a service exited; logs in {log_dir}")
+        try:
+            info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=2)
+            if info.num_prefill_instances and info.num_decode_instances:
+                return redis, registry, procs, channel, stub
+        except grpc.RpcError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError("the stack did not come up")
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def main() -> int:
+    args = parse_args()
+    rng = random.Random(args.seed)
+    log_dir = Path(tempfile.mkdtemp(prefix="stack-latency-"))
+    redis, registry, procs, channel, stub = start_stack(args, log_dir)
+    try:
+        # The in-process engine steps on a worker thread, as the services' engines do (on the
+        # 2-core box torch steps run several times slower on the main thread).
+        worker = ThreadPoolExecutor(1)
+        engine = worker.submit(LLMEngine, EngineConfig(num_kv_blocks=args.num_kv_blocks)).result()
+        local, stack = [], []
+        # Alternating the two paths request by request exposes both to the same machine load.
+        for i, prompt in enumerate(random_prompts(rng, args.warmup + args.requests,
+                                                  args.prompt_tokens)):
+            a = worker.submit(in_process, engine, prompt, args.max_tokens).result()
+            b = through_stack(stub, prompt, args.max_tokens)
+            if i >= args.warmup:
+                local.append(a)
+                stack.append(b)
+        worker.shutdown()
+        handoff_prompts = random_prompts(rng, args.handoff_requests, args.handoff_prompt_tokens)
+        handoffs = [through_stack(stub, p, 2)[1] for p in handoff_prompts]
+    finally:
+        channel.close()
+        stop_services(procs)
+        registry.close()
+        redis.stop()
+
+    local_ttft, local_itl = latencies([times for times, _ in local])
+    stack_ttft, stack_itl = latencies([times for times, _ in stack])
+    # TTFT minus the engine's own arrival-to-first-token time: what the path around the engine
+    # costs (threads, gRPC hops, gateway), with the model's compute and its noise taken out.
+    local_around = [t - e for t, (_, e) in zip(local_ttft, local, strict=True)]
+    stack_around = [t - (s.prefill_queue_ms + s.prefill_compute_ms)
+                    for t, (_, s) in zip(stack_ttft, stack, strict=True)]
+    fractions = [(t.handoff_publish_ms + t.handoff_ms) / t.prefill_compute_ms for t in handoffs]
+    result = {
+        "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "ttft_ms_p50": {"in_process": p50(local_ttft), "stack": p50(stack_ttft)},
+        "itl_ms_p50": {"in_process": p50(local_itl), "stack": p50(stack_itl)},
+        "ttft_overhead_ms_p50": p50(stack_ttft) - p50(local_ttft),
+        "ttft_outside_engine_ms_p50": {"in_process": p50(local_around),
+                                       "stack": p50(stack_around)},
+        "itl_overhead_ms_p50": p50(stack_itl) - p50(local_itl),
+        "handoff": {
+            "prompt_tokens": args.handoff_prompt_tokens,
+            "prefill_compute_ms_p50": p50([t.prefill_compute_ms for t in handoffs]),
+            "publish_ms_p50": p50([t.handoff_publish_ms for t in handoffs]),
+            "pull_ms_p50": p50([t.handoff_ms for t in handoffs]),
+            "fraction_p50": p50(fractions),
+        },
+        "targets": {"ttft_overhead_ms": 1.0, "itl_overhead_ms": 0.3, "handoff_fraction": 0.05},
+    }
+    h = result["handoff"]
+    rows = [
+        ("TTFT p50 (ms)", p50(local_ttft), p50(stack_ttft), result["ttft_overhead_ms_p50"], "<= 1.0"),
+        ("  outside engine", p50(local_around), p50(stack_around),
+         p50(stack_around) - p50(local_around), "<= 1.0"),
+        ("ITL p50 (ms)", p50(local_itl), p50(stack_itl), result["itl_overhead_ms_p50"], "<= 0.3"),
+    ]
+    print(f"\n{'metric':<16}{'in-process':>12}{'stack':>12}{'overhead':>12}  target")
+    for name, a, b, d, target in rows:
+        print(f"{name:<16}{a:>12.2f}{b:>12.2f}{d:>12.2f}  {target}")
+    print(f"\nhandoff of a {h['prompt_tokens']}-token prompt: publish {h['publish_ms_p50']:.1f} ms + "
+          f"pull {h['pull_ms_p50']:.1f} ms over prefill {h['prefill_compute_ms_p50']:.1f} ms = "
+          f"{100 * h['fraction_p50']:.1f} % (target <= 5 %)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

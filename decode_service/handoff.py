@@ -1,0 +1,69 @@
+"""Taking over a handoff: claim the record, reserve blocks, pull the KV, confirm.
+
+Block ownership: the blocks reserved here belong to the caller of pull() once it returns (it
+hands them to the engine with Prefilled); on any failure or cancellation they are freed here, but
+only after the transfer thread stopped writing into them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from common.engine_loop import EngineLoop
+from common.kv_transport import KVReceiver, TransferError
+from common.registry import BlockRegistry
+
+log = logging.getLogger("splitserve.decode.handoff")
+
+
+class HandoffFailed(Exception):
+    """The handoff's KV cannot be used (record gone or claimed elsewhere, transfer or checksum
+    failure, lease expired during the pull); the prompt must be recomputed here."""
+
+
+class HandoffPuller:
+    def __init__(self, registry: BlockRegistry, loop: EngineLoop, instance_id: str,
+                 timeout_s: float):
+        self.registry = registry
+        self.loop = loop
+        self.instance_id = instance_id
+        self.receiver = KVReceiver(timeout_s=timeout_s)
+        # Transports keep per-source state and are used by one thread at a time.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+        self.pending: set[str] = set()
+        self.transports_used: dict[str, int] = {}
+
+    async def pull(self, handoff_id: str) -> list[int]:
+        """Blocks of this engine's pool now holding the handoff's prompt KV (caller owns them)."""
+        desc = await asyncio.to_thread(self.registry.claim_handoff, handoff_id, self.instance_id)
+        if desc is None:
+            raise HandoffFailed(f"handoff {handoff_id} is gone or claimed by another service")
+        blocks = await asyncio.wrap_future(
+            self.loop.call(lambda e: e.reserve_blocks(len(desc.block_ids))))
+        self.pending.add(handoff_id)
+        pool = self.loop.engine.kv_cache
+        transfer = asyncio.get_running_loop().run_in_executor(
+            self._executor, self.receiver.pull, desc, pool, blocks)
+        keep = False
+        try:
+            name = await asyncio.shield(transfer)
+            self.transports_used[name] = self.transports_used.get(name, 0) + 1
+            if not await asyncio.to_thread(self.registry.complete_handoff, handoff_id,
+                                           self.instance_id):
+                raise HandoffFailed(f"handoff {handoff_id}: the lease ran out during the pull")
+            keep = True
+            return blocks
+        except TransferError as e:
+            raise HandoffFailed(str(e)) from e
+        finally:
+            self.pending.discard(handoff_id)
+            if not keep:
+                # Free only once the transfer thread is done writing into the blocks.
+                transfer.add_done_callback(lambda _: self.loop.call(
+                    lambda e: e.free_blocks(blocks)))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.receiver.close()

@@ -1,0 +1,56 @@
+"""Runs one decode service: engine, gRPC server with the Decode service, registry record."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.instance import ServiceInstance
+from common.registry import BlockRegistry
+from decode_service.config import DecodeConfig
+from decode_service.handoff import HandoffPuller
+from decode_service.servicer import DecodeServicer
+from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger("splitserve.decode")
+
+
+async def serve(config: DecodeConfig, engine_config: EngineConfig) -> None:
+    registry = BlockRegistry(config.registry_url, config.registry_namespace)
+    registry.ping()  # an unreachable registry fails start-up, before the model loads
+    engine = LLMEngine(engine_config)
+    server = GrpcServer(config.host, config.port)
+    instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
+    puller = HandoffPuller(registry, instance.loop, instance.instance_id, config.pull_timeout_s)
+    server.add(Service(DecodeServicer(instance, puller), decode_pb2_grpc.add_DecodeServicer_to_server,
+                       service_name(decode_pb2, "Decode")))
+    await server.start()
+    instance.start()
+    maintain = asyncio.create_task(_maintain(instance, config.stats_interval_s))
+    try:
+        await wait_for_signal()
+    finally:
+        stopping = time.monotonic()
+        log.info("decode %s stopping", instance.instance_id)
+        instance.heartbeat.stop(deregister=True)  # the gateway stops routing here
+        await server.stop(config.shutdown_grace_s)
+        maintain.cancel()
+        await asyncio.gather(maintain, return_exceptions=True)
+        puller.close()
+        instance.loop.stop()
+        registry.close()
+        log.info("decode %s stopped in %.1f s", instance.instance_id, time.monotonic() - stopping)
+
+
+async def _maintain(instance: ServiceInstance, interval_s: float) -> None:
+    """Refresh the load figures sent with each heartbeat."""
+    while True:
+        try:
+            await instance.refresh_load()
+        except Exception:
+            log.exception("refreshing the load figures failed")
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,91 @@
+"""The Decode gRPC service: a thin adapter from DecodeRequest to the engine's output stream.
+
+A request arrives with a handoff (its prompt KV waits in a prefill service) or asks for a local
+prefill. A handoff that cannot be used is recomputed here: the prompt plus the first token become
+the prompt, so the stream still continues after the first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.engine import Prefilled
+from common.engine_loop import AsyncOutputStream
+from common.grpc_util import ServiceError
+from common.instance import ServiceInstance
+from common.proto_convert import FINISH_TO_PB, ms, params_from_pb
+from common.sampling_params import SamplingParams
+from decode_service.handoff import HandoffFailed, HandoffPuller
+from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+
+log = logging.getLogger("splitserve.decode")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, instance: ServiceInstance, puller: HandoffPuller):
+        self.instance = instance
+        self.puller = puller
+
+    async def Decode(self, request: decode_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        rid = request.request_id
+        if not rid:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        params = params_from_pb(request.params)
+        prompt = list(request.prompt_token_ids)
+        loop = self.instance.loop
+        stream = AsyncOutputStream()
+        start = time.monotonic()
+        self.instance.num_inflight += 1
+        finished = False
+        try:
+            prefilled, prompt, params = await self._take_over(request, prompt, params)
+            handoff_ms = ms(time.monotonic() - start)
+            await asyncio.wrap_future(loop.submit(rid, prompt, params, stream, prefilled))
+            joined = time.monotonic()
+            first = True
+            async for out in stream:
+                # The first token's text, as this engine's stop-string matcher saw it.
+                text = out.text if first and request.handoff.include_first_text else out.new_text
+                finished = out.finished
+                yield decode_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids, text=text,
+                    finish_reason=FINISH_TO_PB[out.finish_reason if finished else None],
+                    num_cached_tokens=out.num_cached_tokens,
+                    handoff_ms=handoff_ms if first else 0.0,
+                    decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id)
+                first = False
+        finally:
+            self.instance.num_inflight -= 1
+            if not finished:
+                loop.abort(rid)
+
+    async def _take_over(self, request: decode_pb2.DecodeRequest, prompt: list[int],
+                         params: SamplingParams,
+                         ) -> tuple[Prefilled | None, list[int], SamplingParams]:
+        if request.WhichOneof("source") != "handoff":
+            return None, prompt, params
+        handoff = request.handoff
+        try:
+            blocks = await self.puller.pull(handoff.handoff_id)
+            return Prefilled(blocks, handoff.first_token_id), prompt, params
+        except HandoffFailed as e:
+            log.warning("request %s: %s; recomputing its prompt here", request.request_id, e)
+        recompute = dataclasses.replace(params, max_tokens=params.max_tokens - 1,
+                                        min_tokens=max(0, params.min_tokens - 1))
+        return None, [*prompt, handoff.first_token_id], recompute
+
+    async def Abort(self, request: types_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> types_pb2.AbortResponse:
+        found = await asyncio.wrap_future(self.instance.loop.abort(request.request_id))
+        return types_pb2.AbortResponse(found=found)
+
+    async def Stats(self, request: types_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> types_pb2.InstanceStats:
+        return await self.instance.stats(num_pending_handoffs=len(self.puller.pending))

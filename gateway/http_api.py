@@ -1,0 +1,305 @@
+"""OpenAI-compatible HTTP API on the gateway (FastAPI under uvicorn, in the gateway's event loop).
+
+A request takes the path of a gRPC GenerateStream call (`generate` is the servicer's `stream`:
+admission, Frontend.prepare, Relay.run); this module only translates. The prompt is tokenized
+first with Frontend.tokenize and sent as token ids, so usage and `return_token_ids` know them and
+chat requests get vLLM's default max_tokens (what is left of the context). Pieces of the stream
+become SSE chunks (`data: {...}`, then `data: [DONE]`) or one response body; exceptions become
+OpenAI's error shape with the HTTP status of the gRPC status they map to (grpc_util.status_of).
+
+A client that disconnects cancels its request, which the relay then aborts on every service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from common.grpc_util import status_of
+from common.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    chat_logprobs,
+    completion_body,
+    completion_chunk,
+    completion_logprobs,
+    error_body,
+    model_list,
+    new_id,
+    usage,
+    usage_chunk,
+)
+from common.proto_convert import FINISH_FROM_PB, params_to_pb
+from gateway.frontend import Frontend
+from protos.splitserve.v1 import generation_pb2, types_pb2
+
+T = TypeVar("T")
+GenerateFn = Callable[[generation_pb2.GenerateRequest, float | None],
+                      AsyncIterator[generation_pb2.GenerateStreamResponse]]
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+               429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable_error",
+               504: "timeout_error"}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @classmethod
+    def of(cls, exc: BaseException) -> HttpError:
+        if isinstance(exc, HttpError):
+            return exc
+        code, details = status_of(exc)
+        return cls(HTTP_STATUS.get(code, 500), details)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, ERROR_TYPES.get(self.status, "internal_error"),
+                          self.status, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Logprob:
+    """A TokenLogprobs message in the shape the openai_protocol builders read."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def of(cls, pb: types_pb2.TokenLogprobs) -> _Logprob:
+        return cls(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top))
+
+
+class OpenAIApi:
+    def __init__(self, frontend: Frontend, generate: GenerateFn):
+        self.frontend = frontend
+        self.generate = generate
+        self.created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        return model_list(self.frontend.model_name, self.frontend.max_model_len, self.created)
+
+    def prepare(self, req: OpenAIRequest) -> tuple[generation_pb2.GenerateRequest, list[int]]:
+        """The gRPC request for an OpenAI one, and the prompt's token ids."""
+        if req.model is not None and req.model != self.frontend.model_name:
+            raise HttpError(404, f"the model {req.model!r} does not exist; this server serves "
+                                 f"{self.frontend.model_name!r}", "model")
+        if isinstance(req, ChatCompletionRequest):
+            messages = generation_pb2.ChatMessages(messages=[
+                generation_pb2.ChatMessage(**m) for m in req.chat_messages()])
+            ids = list(self.frontend.tokenize(
+                generation_pb2.TokenizeRequest(messages=messages)).token_ids)
+            left = self.frontend.max_model_len - len(ids)
+            default_max = left if self.frontend.max_model_len else COMPLETION_DEFAULT_MAX_TOKENS
+            logprobs = req.requested_logprobs()
+        else:
+            if req.echo:
+                raise HttpError(400, "echo is not supported", "echo")
+            prompt = req.single_prompt()
+            ids = prompt if isinstance(prompt, list) else list(self.frontend.tokenize(
+                generation_pb2.TokenizeRequest(prompt=prompt)).token_ids)
+            default_max, logprobs = COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs
+        params = req.sampling_params(logprobs, max(default_max, 1))
+        request = generation_pb2.GenerateRequest(
+            request_id=new_id("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"),
+            model=self.frontend.model_name, prompt_token_ids=generation_pb2.TokenIds(ids=ids),
+            params=params_to_pb(params))
+        return request, ids
+
+    async def respond(self, http: Request, model: type[OpenAIRequest]) -> Response:
+        try:
+            req = await _parse(http, model)
+            request, ids = self.prepare(req)
+            stream = aiter(self.generate(request, None))
+            if req.stream:
+                # The first piece (or the error) before the headers: errors keep their status.
+                first = await _unless_disconnected(http, anext(stream))
+                return StreamingResponse(self._sse(req, request.request_id, ids, first, stream),
+                                         media_type="text/event-stream")
+            pieces = await _unless_disconnected(http, _collect(stream))
+            return JSONResponse(self._body(req, request.request_id, ids, pieces))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:  # InvalidRequestError, ServiceError, AioRpcError, ...
+            return HttpError.of(exc).response()
+
+    def _token(self, token_id: int) -> str:
+        tokenizer = self.frontend.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token_id}"
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, req: OpenAIRequest, pbs: Sequence[types_pb2.TokenLogprobs],
+                  ) -> dict[str, Any] | None:
+        """The OpenAI logprobs block of some tokens; None when the request asked for none."""
+        wanted = (req.requested_logprobs() if isinstance(req, ChatCompletionRequest)
+                  else req.logprobs)
+        if wanted is None:
+            return None
+        lps = [_Logprob.of(pb) for pb in pbs]
+        tokens = [self._token(lp.token_id) for lp in lps]
+        tops = [[self._token(t) for t, _ in lp.top] for lp in lps]
+        build = chat_logprobs if isinstance(req, ChatCompletionRequest) else completion_logprobs
+        return build(tokens, lps, tops)
+
+    def _body(self, req: OpenAIRequest, request_id: str, ids: list[int],
+              pieces: list[generation_pb2.GenerateStreamResponse]) -> dict[str, Any]:
+        final = pieces[-1]
+        output = [t for p in pieces for t in p.token_ids]
+        build = chat_body if isinstance(req, ChatCompletionRequest) else completion_body
+        return build(request_id=request_id, model=self.frontend.model_name,
+                     text="".join(p.text for p in pieces),
+                     finish_reason=FINISH_FROM_PB[final.finish_reason], prompt_token_ids=ids,
+                     output_token_ids=output, cached_tokens=final.usage.num_cached_tokens,
+                     return_token_ids=req.return_token_ids,
+                     logprobs=self._logprobs(req, [lp for p in pieces for lp in p.logprobs]))
+
+    async def _sse(self, req: OpenAIRequest, request_id: str, ids: list[int],
+                   first: generation_pb2.GenerateStreamResponse,
+                   stream: AsyncIterator[generation_pb2.GenerateStreamResponse],
+                   ) -> AsyncIterator[str]:
+        chat = isinstance(req, ChatCompletionRequest)
+        common = {"request_id": request_id, "model": self.frontend.model_name,
+                  "created": int(time.time())}
+        tokens = req.return_token_ids
+        try:
+            if chat:
+                head = chat_chunk(**common, delta={"role": "assistant", "content": ""},
+                                  finish_reason=None, token_ids=[] if tokens else None)
+                if tokens:
+                    head["prompt_token_ids"] = ids
+                yield _event(head)
+            piece: generation_pb2.GenerateStreamResponse | None = first
+            index = 0
+            while piece is not None:
+                reason = FINISH_FROM_PB[piece.finish_reason]
+                token_ids = list(piece.token_ids) if tokens else None
+                logprobs = self._logprobs(req, piece.logprobs)
+                if chat:
+                    chunk = chat_chunk(**common, delta={"content": piece.text} if piece.text
+                                       else {}, finish_reason=reason, token_ids=token_ids,
+                                       logprobs=logprobs)
+                else:
+                    chunk = completion_chunk(**common, text=piece.text, finish_reason=reason,
+                                             token_ids=token_ids, logprobs=logprobs)
+                    if tokens and index == 0:
+                        chunk["prompt_token_ids"] = ids
+                yield _event(chunk)
+                if reason is not None:
+                    if req.include_usage:
+                        u = piece.usage
+                        yield _event(usage_chunk(
+                            **common, object_="chat.completion.chunk" if chat
+                            else "text_completion",
+                            usage_=usage(u.prompt_tokens, u.completion_tokens,
+                                         u.num_cached_tokens)))
+                    break
+                piece = await anext(stream, None)
+                index += 1
+        except Exception as exc:  # the status line is sent: report the error in the stream
+            yield _event(HttpError.of(exc).body())
+        finally:
+            await stream.aclose()
+        yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _parse(http: Request, model: type[BaseModel]) -> Any:
+    try:
+        body = await http.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HttpError(400, f"the body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise HttpError(400, f"{param}: {first['msg']}" if param else first["msg"],
+                        param) from e
+
+
+async def _collect(stream: AsyncIterator[generation_pb2.GenerateStreamResponse],
+                   ) -> list[generation_pb2.GenerateStreamResponse]:
+    return [piece async for piece in stream]
+
+
+async def _disconnected(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(http: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, cancelling it (and so the request) if the client goes away first."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(http))
+    await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if work.done():
+        watch.cancel()
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientDisconnected
+
+
+def create_app(api: OpenAIApi, metrics: Callable[[], bytes] | None = None) -> FastAPI:
+    """The ASGI app; `metrics` (an exposition function) also serves /metrics."""
+    app = FastAPI(title="splitserve", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(api.models())
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        return await api.respond(http, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request) -> Response:
+        return await api.respond(http, ChatCompletionRequest)
+
+    if metrics is not None:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        @app.get("/metrics")
+        async def metrics_endpoint() -> Response:
+            return Response(metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

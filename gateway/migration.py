@@ -1,0 +1,277 @@
+"""Request migration: a request whose prefill or decode service fails is resumed on another one,
+and the client's stream goes on as if nothing happened.
+
+    attempt 1:  Relay.run(prompt)                 -> t0 t1 t2 ... tk   X decode killed (UNAVAILABLE)
+    attempt 2:  Relay.run(prompt + [t0 .. tk])    -> t(k+1) ...          re-prefilled elsewhere
+
+The continuation is an ordinary request whose prompt carries the tokens the client already has and
+whose budget is what is left (max_tokens - k - 1, min_tokens likewise), so no token is repeated or
+skipped, and with greedy sampling the output equals an undisturbed run. (Seeded sampling restarts
+its generator, and frequency/presence penalties count the carried tokens as prompt: those outputs
+may differ after a migration.) Once migrated, the gateway writes the text itself (TextReplay), so
+stop strings see the whole output.
+
+Which failures are retried: UNAVAILABLE from an internal call (the service died or is shutting
+down), an unreachable registry, and no instance being registered. The failed instance is probed
+(gRPC health); if it does not answer SERVING it goes into quarantine (no request is routed there
+for a while). Retries are bounded by --max-retries per request and the request's deadline; with no
+usable instance, the gateway waits up to --retry-wait-s for one to (re)appear, then answers
+UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.detokenizer import Decoder
+from common.grpc_util import ServiceError
+from common.proto_convert import ms
+from common.registry import InstanceInfo
+from common.tls import TlsConfig, aio_channel
+from gateway.frontend import PreparedRequest
+from gateway.instances import Instances
+from gateway.quarantine import Quarantine
+from gateway.relay import Inflight, Relay
+from gateway.text_replay import TextReplay
+from protos.splitserve.v1 import generation_pb2, types_pb2
+
+log = logging.getLogger("splitserve.gateway.migration")
+
+MAX_PAUSE_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationPolicy:
+    max_retries: int = 3          # failures one request may survive
+    retry_wait_s: float = 3.0     # longest wait for a usable instance before UNAVAILABLE
+    probe_timeout_s: float = 0.5  # health check of an instance whose call failed
+    backoff_s: float = 0.05       # first pause while waiting, doubled up to MAX_PAUSE_S
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.retry_wait_s < 0:
+            raise ValueError("--max-retries and --retry-wait-s must be >= 0")
+        if self.probe_timeout_s <= 0 or self.backoff_s <= 0:
+            raise ValueError("probe timeout and backoff must be positive")
+
+
+@dataclass(slots=True)
+class MigrationCounters:
+    migrations: int = 0     # requests resumed after tokens had reached the client
+    retries: int = 0        # attempts started again before any token went out
+    gave_up: int = 0        # failures answered with an error after the retries ran out
+
+
+class Delivery:
+    """What the client has received, and the rewriting of later messages after a migration."""
+
+    def __init__(self, req: PreparedRequest, arrival: float, tokenizer: Decoder | None):
+        self.req = req
+        self.arrival = arrival
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.ttft_ms = 0.0
+        self.migrations = 0
+        self.replay: TextReplay | None = None
+        self.pending_text = ""  # text of delivered tokens the client has not seen yet
+        self.finished = False
+
+    def continuation(self) -> PreparedRequest:
+        """The request that generates what the client still lacks."""
+        n = len(self.token_ids)
+        if n == 0:
+            return self.req
+        p = self.req.params
+        stop = [] if self.tokenizer is not None else p.stop
+        params = dataclasses.replace(p, max_tokens=p.max_tokens - n,
+                                     min_tokens=max(0, p.min_tokens - n), stop=stop)
+        params_pb = types_pb2.SamplingParams()
+        params_pb.CopyFrom(self.req.params_pb)
+        params_pb.max_tokens = params.max_tokens
+        params_pb.min_tokens = params.min_tokens
+        del params_pb.stop[:]
+        params_pb.stop.extend(stop)
+        return PreparedRequest(self.req.request_id, [*self.req.prompt_token_ids, *self.token_ids],
+                               params, params_pb)
+
+    def start_migration(self) -> None:
+        self.migrations += 1
+        if self.tokenizer is None or self.replay is not None:
+            return
+        self.replay = TextReplay(self.tokenizer, self.req.prompt_token_ids, self.req.params)
+        for token in self.token_ids:
+            self.replay.add(token)
+        # With stop strings the relay leaves the first token's text to the decode service; if
+        # that one died first, the client still lacks it.
+        if self.replay.text.startswith(self.text):
+            self.pending_text = self.replay.text[len(self.text):]
+        else:
+            log.warning("request %s: delivered text is not what the tokens decode to",
+                        self.req.request_id)
+
+    def pass_on(self, msg: generation_pb2.GenerateStreamResponse,
+                ) -> generation_pb2.GenerateStreamResponse:
+        """The message to send for one the relay produced (after a migration: text rewritten,
+        cut at a stop string, usage and timings of the whole request)."""
+        if self.migrations and self.replay is not None:
+            msg = self._retext(msg)
+        if msg.token_ids and not self.ttft_ms:
+            self.ttft_ms = ms(time.monotonic() - self.arrival)
+        self.token_ids.extend(msg.token_ids)
+        self.text += msg.text
+        if msg.finish_reason:
+            self.finished = True
+            if self.migrations:
+                self._fix_totals(msg)
+        return msg
+
+    def _retext(self, msg: generation_pb2.GenerateStreamResponse,
+                ) -> generation_pb2.GenerateStreamResponse:
+        assert self.replay is not None
+        text, self.pending_text = self.pending_text, ""
+        tokens = list(msg.token_ids)
+        ending = msg.finish_reason not in (types_pb2.FINISH_REASON_UNSPECIFIED,
+                                           types_pb2.FINISH_REASON_ABORT)
+        for i, token in enumerate(tokens):
+            emit, stopped = self.replay.add(token, finishing=ending and i == len(tokens) - 1)
+            text += emit
+            if stopped:
+                out = generation_pb2.GenerateStreamResponse(
+                    request_id=msg.request_id, token_ids=tokens[:i + 1], text=text,
+                    finish_reason=types_pb2.FINISH_REASON_STOP, usage=msg.usage,
+                    timings=msg.timings)
+                out.timings.total_ms = ms(time.monotonic() - self.arrival)
+                return out
+        out = generation_pb2.GenerateStreamResponse()
+        out.CopyFrom(msg)
+        out.text = text
+        return out
+
+    def _fix_totals(self, msg: generation_pb2.GenerateStreamResponse) -> None:
+        prompt = len(self.req.prompt_token_ids)
+        msg.usage.num_cached_tokens = min(msg.usage.num_cached_tokens, prompt)
+        msg.usage.prompt_tokens = prompt
+        msg.usage.completion_tokens = len(self.token_ids)
+        msg.timings.ttft_ms = self.ttft_ms
+
+
+class Migrator:
+    def __init__(self, relay: Relay, instances: Instances, quarantine: Quarantine,
+                 tokenizer: Decoder | None, policy: MigrationPolicy, tls: TlsConfig):
+        self.relay = relay
+        self.instances = instances
+        self.quarantine = quarantine
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.tls = tls
+        self.counters = MigrationCounters()
+
+    async def run(self, req: PreparedRequest, handle: Inflight, arrival: float,
+                  deadline: float) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """Relay.run, resumed elsewhere after each retryable failure."""
+        delivery = Delivery(req, arrival, self.tokenizer)
+        attempt = req
+        failures = 0
+        while True:
+            try:
+                async with aclosing(self.relay.run(attempt, handle, arrival, deadline)) as stream:
+                    async for msg in stream:
+                        yield delivery.pass_on(msg)
+                        if delivery.finished:
+                            return
+                return
+            except (grpc.aio.AioRpcError, ServiceError, redis.RedisError) as exc:
+                if handle.aborted or not _retryable(exc):
+                    raise
+                failures += 1
+                failed = handle.decode or handle.prefill
+                log.warning("request %s: %s failed after %d tokens (%s); attempt %d of %d",
+                            req.request_id, failed.instance_id if failed else "routing",
+                            len(delivery.token_ids), _describe(exc), failures + 1,
+                            self.policy.max_retries + 1)
+                if failed is not None:
+                    await self._probe(failed)
+                if failures > self.policy.max_retries:
+                    self.counters.gave_up += 1
+                    raise _unavailable(exc, f"giving up after {failures} failed attempts") from exc
+                if not await self._wait_for_instances(delivery, deadline):
+                    self.counters.gave_up += 1
+                    raise _unavailable(exc, "no instance is left to resume the request") from exc
+            if delivery.token_ids:
+                self.counters.migrations += 1
+                delivery.start_migration()
+            else:
+                self.counters.retries += 1
+            attempt = delivery.continuation()
+            handle.internal_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+            handle.prefill = handle.decode = None
+
+    async def _probe(self, info: InstanceInfo) -> None:
+        """Quarantine the instance unless it answers a health check with SERVING."""
+        try:
+            async with aio_channel(info.address, self.tls) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=self.policy.probe_timeout_s)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        log.warning("%s %s does not answer; quarantined for %.1f s", info.kind, info.instance_id,
+                    self.quarantine.duration_s)
+        self.quarantine.add(info.instance_id)
+
+    async def _wait_for_instances(self, delivery: Delivery, deadline: float) -> bool:
+        """Until a decode instance (and a prefill one, unless the decode side will prefill) is
+        registered and not in quarantine; False after retry_wait_s or at the deadline."""
+        kinds = ["decode"]
+        if (len(delivery.req.prompt_token_ids) + len(delivery.token_ids)
+                > self.relay.config.local_prefill_max_tokens):
+            kinds.append("prefill")
+        limit = min(deadline, time.monotonic() + self.policy.retry_wait_s)
+        pause = self.policy.backoff_s
+        while True:
+            try:
+                await self.instances.refresh()
+                lists = [self.quarantine.filter(await self.instances.get(k)) for k in kinds]
+                if all(lists):
+                    return True
+            except redis.RedisError as e:
+                log.warning("registry unreachable while waiting for instances: %s", e)
+            if time.monotonic() + pause > limit:
+                return False
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, MAX_PAUSE_S)
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, redis.RedisError):
+        return True
+    if isinstance(exc, ServiceError):
+        return exc.code is grpc.StatusCode.UNAVAILABLE
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _unavailable(exc: BaseException, why: str) -> ServiceError:
+    if isinstance(exc, ServiceError):
+        return exc  # already says what is missing ("no decode instance is registered")
+    if isinstance(exc, redis.RedisError):
+        return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                            f"the block registry is unreachable ({exc}); {why}")
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, f"{_describe(exc)}; {why}")

@@ -1,0 +1,260 @@
+"""One request through the stack, relayed to the client as one stream:
+
+    route -> Prefill (stream) -> first token to the client at once
+                              -> handoff record published
+          -> Decode (stream, pulls the handoff) -> the remaining tokens to the client
+
+or, for prompts up to local_prefill_max_tokens, Decode alone with prefill_locally. A request that
+ends any other way than with its last token (client cancel, Abort, deadline, error) is aborted on
+both services it reached, so each frees its blocks (the prefill side also its held handoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.block_manager import hash_prefix_blocks
+from common.grpc_util import ServiceError
+from common.proto_convert import ms
+from common.registry import BlockRegistry, InstanceInfo
+from gateway.config import GatewayConfig
+from gateway.frontend import PreparedRequest
+from gateway.instances import Instances
+from gateway.router import NoInstanceError, Router
+from protos.splitserve.v1 import decode_pb2, generation_pb2, prefill_pb2, types_pb2
+
+log = logging.getLogger("splitserve.gateway.relay")
+
+ABORT_TIMEOUT_S = 2.0
+
+
+class RequestAbortedError(Exception):
+    """Abort() was called for the request."""
+
+
+@dataclass(slots=True)
+class Inflight:
+    """A request the gateway is serving: where it went and its open internal calls."""
+    request_id: str                       # the client's id
+    internal_id: str                      # the id the services know it by
+    prefill: InstanceInfo | None = None
+    decode: InstanceInfo | None = None
+    calls: list[grpc.aio.Call] = field(default_factory=list)
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        for call in self.calls:
+            call.cancel()
+
+    def check(self) -> None:
+        if self.aborted:
+            raise RequestAbortedError(self.request_id)
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the client is told at the end: token counts and where the time went."""
+    arrival: float
+    usage: types_pb2.Usage
+    timings: types_pb2.StageTimings
+    completed: bool = False
+
+    def final(self, request_id: str, reason: int, token_ids: Sequence[int] = (),
+              text: str = "") -> generation_pb2.GenerateStreamResponse:
+        self.completed = reason != types_pb2.FINISH_REASON_ABORT
+        self.timings.total_ms = ms(time.monotonic() - self.arrival)
+        return generation_pb2.GenerateStreamResponse(
+            request_id=request_id, token_ids=token_ids, text=text, finish_reason=reason,
+            usage=self.usage, timings=self.timings)
+
+
+class Relay:
+    def __init__(self, config: GatewayConfig, registry: BlockRegistry, instances: Instances,
+                 router: Router):
+        self.config = config
+        self.registry = registry
+        self.instances = instances
+        self.router = router
+        self._background: set[asyncio.Task] = set()
+
+    async def run(self, req: PreparedRequest, handle: Inflight, arrival: float,
+                  deadline: float) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        st = _Progress(arrival, types_pb2.Usage(prompt_tokens=len(req.prompt_token_ids)),
+                       types_pb2.StageTimings())
+        decode: InstanceInfo | None = None
+        try:
+            decode = await self._pick_decode(req.prompt_token_ids, req.params.max_tokens)
+            self.router.acquire(decode.instance_id)  # counted from now, so a burst spreads out
+            if len(req.prompt_token_ids) <= self.config.local_prefill_max_tokens:
+                source: dict = {"prefill_locally": True}
+            else:
+                handoff = None
+                async for msg in self._prefill_stage(req, handle, decode, deadline, st):
+                    if isinstance(msg, decode_pb2.Handoff):
+                        handoff = msg
+                    else:
+                        yield msg
+                if st.completed:
+                    return
+                source = {"handoff": handoff}
+            handle.check()
+            handle.decode = decode
+            st.timings.decode_instance = decode.instance_id
+            async for msg in self._decode_stage(req, handle, decode, source, deadline, st):
+                yield msg
+        except (asyncio.CancelledError, RequestAbortedError):
+            # Abort() cancelled our internal calls: end the stream with an abort message. The
+            # client cancelling its own call cancels this task instead: let that through.
+            current = asyncio.current_task()
+            if not handle.aborted or (current is not None and current.cancelling()):
+                raise
+            yield st.final(req.request_id, types_pb2.FINISH_REASON_ABORT)
+        finally:
+            if decode is not None:
+                self.router.release(decode.instance_id)
+            if not st.completed:
+                self._abort_everywhere(handle)
+
+    async def _prefill_stage(self, req: PreparedRequest, handle: Inflight,
+                             decode: InstanceInfo, deadline: float, st: _Progress,
+                             ) -> AsyncIterator[generation_pb2.GenerateStreamResponse
+                                                | decode_pb2.Handoff]:
+        """The first token for the client at once, then the Handoff for the decode call."""
+        prefill = await self._pick_prefill(req.prompt_token_ids)
+        handle.check()
+        handle.prefill = prefill
+        st.timings.gateway_ms = ms(time.monotonic() - st.arrival)
+        first_token = None
+        async with aclosing(self._prefill(req, handle, prefill, decode, deadline)) as stream:
+            async for resp in stream:
+                if resp.handoff_id:  # second message: the KV waits under this record
+                    st.timings.handoff_publish_ms = resp.publish_ms
+                    yield decode_pb2.Handoff(handoff_id=resp.handoff_id,
+                                             first_token_id=first_token,
+                                             include_first_text=bool(req.params.stop))
+                    return
+                first_token = resp.first_token_id
+                t = st.timings
+                t.prefill_queue_ms, t.prefill_compute_ms = resp.queue_ms, resp.compute_ms
+                t.prefill_instance = resp.instance_id
+                t.ttft_ms = ms(time.monotonic() - st.arrival)
+                st.usage.num_cached_tokens, st.usage.completion_tokens = resp.num_cached_tokens, 1
+                if resp.finish_reason:
+                    yield st.final(req.request_id, resp.finish_reason, [first_token],
+                                   resp.first_text)
+                    return
+                # With stop strings the first token's text comes from the decode side, whose
+                # matcher sees what follows it (the prefill side had to flush held-back text).
+                yield generation_pb2.GenerateStreamResponse(
+                    request_id=req.request_id, token_ids=[first_token],
+                    text="" if req.params.stop else resp.first_text)
+        raise ServiceError(grpc.StatusCode.INTERNAL,
+                           f"prefill {prefill.instance_id} ended without a handoff")
+
+    async def _decode_stage(self, req: PreparedRequest, handle: Inflight, decode: InstanceInfo,
+                            source: dict, deadline: float, st: _Progress,
+                            ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        local = "prefill_locally" in source
+        async with aclosing(self._decode(req, handle, decode, source, deadline)) as stream:
+            async for msg in stream:
+                if not st.timings.ttft_ms and msg.token_ids:
+                    st.timings.ttft_ms = ms(time.monotonic() - st.arrival)
+                st.usage.completion_tokens += len(msg.token_ids)
+                if msg.handoff_ms:
+                    st.timings.handoff_ms = msg.handoff_ms
+                if local:
+                    st.usage.num_cached_tokens = msg.num_cached_tokens
+                if msg.finish_reason:
+                    st.timings.decode_ms = msg.decode_ms
+                    yield st.final(req.request_id, msg.finish_reason, msg.token_ids, msg.text)
+                    return
+                yield generation_pb2.GenerateStreamResponse(
+                    request_id=req.request_id, token_ids=msg.token_ids, text=msg.text)
+
+    async def _pick_decode(self, prompt: list[int], max_tokens: int) -> InstanceInfo:
+        try:
+            return self.router.pick_decode(await self.instances.get("decode"),
+                                           len(prompt) + max_tokens)
+        except NoInstanceError as e:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+
+    async def _pick_prefill(self, prompt: list[int]) -> InstanceInfo:
+        instances = await self.instances.get("prefill")
+        cached: dict[str, int] = {}
+        if len(instances) > 1 and self.config.prefix_token_weight > 0:
+            hashes = hash_prefix_blocks(prompt, instances[0].block_size)
+            if hashes:
+                ids = [i.instance_id for i in instances]
+                cached = await asyncio.to_thread(self.registry.match_prefix, ids, hashes)
+        try:
+            return self.router.pick_prefill(instances, cached)
+        except NoInstanceError as e:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+
+    async def _prefill(self, req: PreparedRequest, handle: Inflight, prefill: InstanceInfo,
+                       decode: InstanceInfo, deadline: float,
+                       ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        call = self.instances.prefill_stub(prefill.address).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=handle.internal_id, prompt_token_ids=req.prompt_token_ids,
+                params=req.params_pb, decode_instance_id=decode.instance_id),
+            timeout=_remaining(deadline))
+        handle.calls.append(call)
+        self.router.acquire(prefill.instance_id)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            self.router.release(prefill.instance_id)
+            handle.calls.remove(call)
+            call.cancel()  # no-op after the stream's end
+
+    async def _decode(self, req: PreparedRequest, handle: Inflight, decode: InstanceInfo,
+                      source: dict, deadline: float) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        call = self.instances.decode_stub(decode.address).Decode(
+            decode_pb2.DecodeRequest(request_id=handle.internal_id,
+                                     prompt_token_ids=req.prompt_token_ids,
+                                     params=req.params_pb, **source),
+            timeout=_remaining(deadline))
+        handle.calls.append(call)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            handle.calls.remove(call)
+            call.cancel()  # no-op after the stream's end
+
+    def _abort_everywhere(self, handle: Inflight) -> None:
+        """Tell every service the request reached to drop it (runs on after the client left)."""
+        request = types_pb2.AbortRequest(request_id=handle.internal_id)
+        targets = []
+        if handle.prefill is not None:
+            targets.append(self.instances.prefill_stub(handle.prefill.address).Abort)
+        if handle.decode is not None:
+            targets.append(self.instances.decode_stub(handle.decode.address).Abort)
+        for abort in targets:
+            task = asyncio.get_running_loop().create_task(_call_quietly(abort, request))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+
+async def _call_quietly(method, request) -> None:
+    try:
+        await method(request, timeout=ABORT_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        log.warning("abort of %s failed: %s", request.request_id, e.code().name)
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request's deadline passed")
+    return left

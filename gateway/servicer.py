@@ -1,0 +1,99 @@
+"""The public Generation service: validation and backpressure here, the rest in Relay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.grpc_util import ServiceError
+from gateway.config import GatewayConfig
+from gateway.frontend import Frontend
+from gateway.instances import Instances
+from gateway.relay import Inflight, Relay
+from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+
+STATS_TIMEOUT_S = 2.0
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, config: GatewayConfig, frontend: Frontend, relay: Relay,
+                 instances: Instances, eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.frontend = frontend
+        self.relay = relay
+        self.instances = instances
+        self.eos_token_ids = eos_token_ids
+        self.inflight: dict[str, Inflight] = {}
+
+    async def GenerateStream(self, request: generation_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext,
+                             ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        arrival = time.monotonic()
+        if len(self.inflight) >= self.config.max_inflight:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the gateway is serving its limit of {self.config.max_inflight} "
+                               "requests; retry later")
+        req = self.frontend.prepare(request)
+        if req.request_id in self.inflight:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id {req.request_id!r} is already in flight")
+        handle = Inflight(req.request_id, f"{req.request_id}-{uuid.uuid4().hex[:8]}")
+        self.inflight[req.request_id] = handle
+        timeout = context.time_remaining()
+        deadline = arrival + (self.config.request_timeout_s if timeout is None else timeout)
+        try:
+            async for msg in self.relay.run(req, handle, arrival, deadline):
+                yield msg
+        finally:
+            del self.inflight[req.request_id]
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
+        out = generation_pb2.GenerateResponse()
+        texts: list[str] = []
+        async for msg in self.GenerateStream(request, context):
+            out.request_id = msg.request_id
+            out.token_ids.extend(msg.token_ids)
+            texts.append(msg.text)
+            if msg.finish_reason:
+                out.finish_reason = msg.finish_reason
+                out.usage.CopyFrom(msg.usage)
+                out.timings.CopyFrom(msg.timings)
+        out.text = "".join(texts)
+        return out
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        return self.frontend.tokenize(request)
+
+    async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
+        prefills = await self.instances.get("prefill")
+        decodes = await self.instances.get("decode")
+        everyone = [*prefills, *decodes]
+        out = generation_pb2.ModelInfoResponse(
+            model=self.frontend.model_name, max_model_len=self.frontend.max_model_len,
+            vocab_size=self.frontend.vocab_size,
+            block_size=everyone[0].block_size if everyone else 0,
+            eos_token_ids=self.eos_token_ids, num_prefill_instances=len(prefills),
+            num_decode_instances=len(decodes), num_inflight=len(self.inflight))
+        if request.include_instances:
+            calls = [self.instances.prefill_stub(i.address).Stats(
+                types_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S) for i in prefills]
+            calls += [self.instances.decode_stub(i.address).Stats(
+                types_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S) for i in decodes]
+            for stats in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(stats, types_pb2.InstanceStats):
+                    out.instances.append(stats)
+        return out
+
+    async def Abort(self, request: types_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> types_pb2.AbortResponse:
+        handle = self.inflight.get(request.request_id)
+        if handle is not None:
+            handle.abort()
+        return types_pb2.AbortResponse(found=handle is not None)

@@ -1,0 +1,69 @@
+"""Blocks held for handoffs, released when their registry record is gone.
+
+Lease rule (see common/registry/handoff.py): a finished prompt's blocks stay held while its
+handoff record exists. The record goes away when the decode side confirms (DONE), when its lease
+runs out (EXPIRED) or when the request is aborted here (the record is deleted first, then the
+blocks released). One task polls the records of all held handoffs in one round trip every
+reap_interval_s, and sleeps while nothing is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common.engine_loop import EngineLoop
+from common.registry import BlockRegistry, HandoffState
+
+log = logging.getLogger("splitserve.prefill.holds")
+
+
+class HandoffHolds:
+    def __init__(self, registry: BlockRegistry, loop: EngineLoop, interval_s: float):
+        self.registry = registry
+        self.loop = loop
+        self.interval_s = interval_s
+        self.held: set[str] = set()
+        self.released: dict[HandoffState, int] = {s: 0 for s in HandoffState}
+        self._wake = asyncio.Event()
+
+    def add(self, request_id: str) -> None:
+        self.held.add(request_id)
+        self._wake.set()
+
+    async def cancel(self, request_id: str) -> bool:
+        """Withdraw a handoff (request aborted): delete its record (or the done marker of one
+        the decode side already confirmed), then release its blocks."""
+        was_held = request_id in self.held
+        self.held.discard(request_id)
+        await asyncio.to_thread(self._withdraw, request_id)
+        released = await asyncio.wrap_future(self.loop.abort(request_id))
+        return was_held or released
+
+    def _withdraw(self, request_id: str) -> None:
+        if not self.registry.reap_handoffs([request_id])[request_id].finished:
+            self.registry.cancel_handoff(request_id)
+
+    async def run(self) -> None:
+        """Release the blocks of every handoff whose record is gone; runs until cancelled."""
+        while True:
+            if not self.held:
+                self._wake.clear()
+                await self._wake.wait()
+            request_ids = sorted(self.held)
+            try:
+                states = await asyncio.to_thread(self.registry.reap_handoffs, request_ids)
+            except Exception:
+                log.exception("polling handoff records failed")
+                states = {}
+            for request_id, state in states.items():
+                if state.finished and request_id in self.held:
+                    self.held.discard(request_id)
+                    self.released[state] += 1
+                    self.loop.call(lambda e, rid=request_id: e.release_held(rid))
+            await asyncio.sleep(self.interval_s)
+
+    async def release_all(self) -> None:
+        """At shutdown: withdraw every handoff still held."""
+        for request_id in sorted(self.held):
+            await self.cancel(request_id)

@@ -1,0 +1,85 @@
+"""Runs one prefill service: engine (KV pool in shared memory on CPU), gRPC server with the
+Prefill and KVTransfer services, registry record, handoff holds, prefix index updates."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from common.config import EngineConfig
+from common.engine import LLMEngine, resolve_device
+from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.instance import ServiceInstance
+from common.kv_transport import KVSource, KVTransferServicer, SharedMemoryPool
+from common.registry import BlockRegistry
+from prefill_service.config import PrefillConfig
+from prefill_service.holds import HandoffHolds
+from prefill_service.prefix_sync import PrefixSync
+from prefill_service.servicer import PrefillServicer
+from protos.splitserve.v1 import (
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+log = logging.getLogger("splitserve.prefill")
+
+
+async def serve(config: PrefillConfig, engine_config: EngineConfig) -> None:
+    registry = BlockRegistry(config.registry_url, config.registry_namespace)
+    registry.ping()  # an unreachable registry fails start-up, before the model loads
+    shm = SharedMemoryPool() if resolve_device(engine_config.device).type == "cpu" else None
+    engine = LLMEngine(engine_config, kv_cache_allocator=shm)
+    server = GrpcServer(config.host, config.port)
+    instance = ServiceInstance("prefill", config, engine, registry, config.address(server.port))
+    source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
+                      address=instance.address, shm=shm)
+    holds = HandoffHolds(registry, instance.loop, config.reap_interval_s)
+    prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
+    instance.heartbeat.on_reregister = lambda: setattr(prefixes, "republish", True)
+    server.add(Service(PrefillServicer(instance, source, holds, prefixes, config.handoff_lease_s),
+                       prefill_pb2_grpc.add_PrefillServicer_to_server,
+                       service_name(prefill_pb2, "Prefill")))
+    server.add(Service(KVTransferServicer(source),
+                       kv_transfer_pb2_grpc.add_KVTransferServicer_to_server,
+                       service_name(kv_transfer_pb2, "KVTransfer")))
+    await server.start()
+    instance.start()
+    background = [asyncio.create_task(holds.run()),
+                  asyncio.create_task(_maintain(instance, prefixes, config))]
+    try:
+        await wait_for_signal()
+    finally:
+        stopping = time.monotonic()
+        log.info("prefill %s stopping", instance.instance_id)
+        instance.heartbeat.stop(deregister=True)  # the gateway stops routing here
+        await server.stop(config.shutdown_grace_s)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await holds.release_all()
+        registry.clear_instance(instance.instance_id)
+        instance.loop.stop()
+        source.close()
+        if shm is not None:
+            shm.close()
+        registry.close()
+        log.info("prefill %s stopped in %.1f s", instance.instance_id, time.monotonic() - stopping)
+
+
+async def _maintain(instance: ServiceInstance, prefixes: PrefixSync,
+                    config: PrefillConfig) -> None:
+    """Refresh the load sent with each heartbeat; publish prefix-cache evictions."""
+    loop = asyncio.get_running_loop()
+    next_sync = loop.time()
+    while True:
+        try:
+            await instance.refresh_load()
+            if loop.time() >= next_sync or prefixes.republish:
+                next_sync = loop.time() + config.prefix_sync_interval_s
+                await prefixes.sync()
+        except Exception:
+            log.exception("refreshing the load figures or the prefix index failed")
+        await asyncio.sleep(config.stats_interval_s)

@@ -1,0 +1,115 @@
+"""`splitserve up`: the whole stack on this machine, each service its own process on loopback.
+
+Starts a private Redis (unless --registry-url), converts the model once (so the services do not
+all convert it at the same time), starts the prefill and decode services and the gateway, waits
+until the gateway sees every instance, prints how to send a first request, and stops everything
+on Ctrl-C (or when a service exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+from common.config import EngineConfig
+from common.dataclass_cli import to_argv
+from splitserve.launch import service_argv, start_service, stop_services
+
+START_TIMEOUT_S = 600.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("stack")
+    g.add_argument("--grpc-port", type=int, default=50051, help="gateway's public gRPC port")
+    g.add_argument("--http-port", type=int, default=0,
+                   help="gateway's HTTP port (reserved; not served yet, 0 = off)")
+    g.add_argument("--registry-url", default=None,
+                   help="Redis URL of an external registry (default: start a private redis-server)")
+    g.add_argument("--registry-namespace", default="splitserve",
+                   help="key prefix of this stack in the registry")
+    g.add_argument("--num-prefill", type=int, default=1, help="prefill services to start")
+    g.add_argument("--num-decode", type=int, default=1, help="decode services to start")
+    g.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    EngineConfig.add_cli_args(parser)  # passed on to the prefill and decode services
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_prefill < 1 or args.num_decode < 1:
+        print("--num-prefill and --num-decode must be at least 1", file=sys.stderr)
+        return 2
+    engine = EngineConfig.from_cli_args(args)
+    redis = None
+    if args.registry_url is None:
+        from common.registry import EmbeddedRedis
+        redis = EmbeddedRedis()
+        args.registry_url = redis.url
+        print(f"registry: private redis-server at {redis.url}")
+    if not engine.model.startswith("dummy:"):
+        from common.models.loader import resolve_model
+        print(f"model: {engine.model} -> {resolve_model(engine.model, engine.model_cache_dir)}")
+    common = {"registry_url": args.registry_url, "namespace": args.registry_namespace,
+              "host": args.host, "model": engine.model}
+    engine_flags = to_argv(engine, skip=("model",))
+    gateway_flags = ["--model-cache-dir", engine.model_cache_dir, "--http-port", str(args.http_port)]
+    if engine.served_model_name:
+        gateway_flags += ["--served-model-name", engine.served_model_name]
+    procs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for role, n in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+            procs += [start_service(service_argv(role, **common, extra=engine_flags))
+                      for _ in range(n)]
+        procs.append(start_service(service_argv("gateway", port=args.grpc_port, **common,
+                                                extra=gateway_flags)))
+        address = f"{args.host}:{args.grpc_port}"
+        _wait_ready(address, args.num_prefill, args.num_decode, procs)
+        print(f"\nsplitserve is up: gateway {address}, {args.num_prefill} prefill, "
+              f"{args.num_decode} decode. Send a first request with\n\n"
+              f"    splitserve generate --gateway {address} \"Write a haiku about the sea.\"\n\n"
+              "Ctrl-C stops everything.", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("a service exited; stopping the stack", file=sys.stderr)
+        return 1
+    except (RuntimeError, TimeoutError) as e:
+        print(f"{e}; stopping the stack", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping the stack", file=sys.stderr)
+        return 0
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut this short
+            signal.signal(sig, signal.SIG_IGN)
+        stop_services(procs)
+        if redis is not None:
+            redis.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _wait_ready(address: str, num_prefill: int, num_decode: int,
+                procs: list[subprocess.Popen]) -> None:
+    """Until the gateway answers ModelInfo listing every instance."""
+    import grpc
+
+    from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a service exited during start-up")
+            try:
+                info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=1.0)
+                if (info.num_prefill_instances >= num_prefill
+                        and info.num_decode_instances >= num_decode):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"the stack did not come up within {START_TIMEOUT_S:.0f} s")

@@ -1,0 +1,63 @@
+"""Routing policy: prefix-cache-aware prefill choice weighed with load; decode by blocks and load."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.registry import InstanceInfo
+from gateway.router import NoInstanceError, Router, RouterConfig
+
+
+def info(iid: str, kind: str = "prefill", *, running: int = 0, waiting: int = 0,
+         free: int = 100) -> InstanceInfo:
+    return InstanceInfo(instance_id=iid, kind=kind, address=f"{iid}:1", model="m",
+                        block_size=16, num_running=running, num_waiting=waiting,
+                        free_blocks=free, total_blocks=100)
+
+
+def test_prefill_prefers_the_instance_holding_the_prefix():
+    router = Router(RouterConfig(prefix_token_weight=1.0, queued_request_cost_tokens=256))
+    a, b = info("a"), info("b")
+    assert router.pick_prefill([a, b], {"a": 0, "b": 20}) is b
+    assert router.pick_prefill([a, b], {}) is a  # a tie goes to the lower id
+
+
+def test_prefill_prefix_is_weighed_against_load():
+    router = Router(RouterConfig(prefix_token_weight=1.0, queued_request_cost_tokens=256))
+    a, b = info("a"), info("b", waiting=2)
+    # b holds 20 blocks (320 tokens) but has 2 queued: 320 - 512 < 0.
+    assert router.pick_prefill([a, b], {"b": 20}) is a
+    assert router.pick_prefill([a, b], {"b": 40}) is b  # 640 - 512 > 0
+
+
+def test_gateway_inflight_counts_beat_stale_reports():
+    router = Router(RouterConfig())
+    a, b = info("a"), info("b")
+    picks = []
+    for _ in range(4):
+        chosen = router.pick_prefill([a, b], {})
+        router.acquire(chosen.instance_id)
+        picks.append(chosen.instance_id)
+    assert picks == ["a", "b", "a", "b"]
+    for iid in picks:
+        router.release(iid)
+    assert not router.inflight
+
+
+def test_decode_needs_room_then_least_load():
+    router = Router(RouterConfig())
+    small = info("a", "decode", free=3)
+    busy = info("b", "decode", running=5, free=80)
+    idle = info("c", "decode", running=1, free=60)
+    # 100 tokens need 7 blocks of 16: "a" cannot take it.
+    assert router.pick_decode([small, busy, idle], 100) is idle
+    assert router.pick_decode([small], 100) is small  # nobody fits: still served
+    assert router.pick_decode([info("x", "decode", free=10), info("y", "decode", free=50)],
+                              16).instance_id == "y"  # equal load: more free blocks
+
+
+def test_no_instance():
+    with pytest.raises(NoInstanceError, match="no prefill instance"):
+        Router(RouterConfig()).pick_prefill([], {})
+    with pytest.raises(NoInstanceError, match="no decode instance"):
+        Router(RouterConfig()).pick_decode([], 10)

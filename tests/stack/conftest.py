@@ -1,0 +1,116 @@
+"""A whole stack for tests: a redis-server on a free port, prefill, decode and gateway processes
+started with the command lines of splitserve.launch (the ones docker-compose.yml uses), shared by
+the tests of a module (starting it takes a while on two cores)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common.registry import BlockRegistry, EmbeddedRedis
+from common.registry.embedded import free_port
+from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from splitserve.launch import service_argv, start_service, stop_services
+
+# Small pools: four services and the reference engine share a 2-core, 24 GiB box. Short
+# prefill chunks: an abort takes effect between engine steps.
+ENGINE_FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "128"]
+
+
+class Stack:
+    def __init__(self, log_dir: Path, num_prefill: int = 2, num_decode: int = 2):
+        self.log_dir = log_dir
+        self.redis = EmbeddedRedis()
+        self.namespace = f"test-{uuid.uuid4().hex[:8]}"
+        self.registry = BlockRegistry(self.redis.url, self.namespace)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            for i in range(n):
+                self.start(f"{role}-{i}", service_argv(
+                    role, registry_url=self.redis.url, namespace=self.namespace,
+                    extra=[*ENGINE_FLAGS, "--instance-id", f"{role}-{i}"]))
+        self.gateway_port = free_port()
+        self.start("gateway", self.gateway_argv(self.gateway_port))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gateway_port}")
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def gateway_argv(self, port: int, namespace: str | None = None,
+                     extra: tuple[str, ...] = ()) -> list[str]:
+        return service_argv("gateway", registry_url=self.redis.url,
+                            namespace=namespace or self.namespace, port=port, extra=extra)
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        self.procs[name] = start_service(argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return self.procs[name]
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{dead} exited during start-up:\n{self.logs(dead)}")
+            try:
+                info = self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=2.0)
+                if (info.num_prefill_instances == self.num_prefill
+                        and info.num_decode_instances == self.num_decode):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"stack not ready in {timeout_s} s:\n{self.logs(list(self.procs))}")
+
+    def stats(self) -> dict[str, types_pb2.InstanceStats]:
+        info = self.stub.ModelInfo(generation_pb2.ModelInfoRequest(include_instances=True),
+                                   timeout=5.0)
+        return {s.instance_id: s for s in info.instances}
+
+    def handoff_keys(self) -> list[str]:
+        return [k for k in self.registry.namespace_keys() if ":handoff:" in k]
+
+    def wait_idle(self, timeout_s: float) -> float:
+        """Seconds until no instance references a block and no handoff record is left."""
+        start = time.monotonic()
+        while True:
+            stats = self.stats()
+            busy = {i: s.num_used_blocks for i, s in stats.items() if s.num_used_blocks}
+            handoffs = self.handoff_keys()
+            if not busy and not handoffs and len(stats) == self.num_prefill + self.num_decode:
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise AssertionError(f"still referenced blocks {busy}, handoffs {handoffs} "
+                                     f"after {timeout_s} s")
+            time.sleep(0.02)
+
+    def logs(self, names: list[str]) -> str:
+        return "\n".join(f"--- {n}\n" + (self.log_dir / f"{n}.log").read_text()[-4000:]
+                         for n in names)
+
+    def stop(self) -> dict[str, int]:
+        self.channel.close()
+        names = list(self.procs)
+        codes = stop_services([self.procs[n] for n in names])
+        return dict(zip(names, codes, strict=True))
+
+    def close(self) -> None:
+        self.stop()
+        self.registry.close()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Stack:
+    """One gateway, two prefill and two decode services on loopback."""
+    s = Stack(tmp_path_factory.mktemp("stack-logs"))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.close()
