@@ -117,11 +117,13 @@ def main() -> None:
         if cache:
             cached.append(hit)
     ratio = statistics.median(times[True]) / statistics.median(times[False])
+    # Other processes only ever add time: the minima are the least disturbed figures.
+    ratio_min = min(times[True]) / min(times[False])
     print(f"\nTTFT, {args.shared_len} shared + {args.new_len} new tokens, one at a time")
     print(f"  cache on : {spread([t * 1000 for t in times[True]])} ms, "
           f"{statistics.median(cached)} tokens cached")
     print(f"  cache off: {spread([t * 1000 for t in times[False]])} ms")
-    print(f"  ratio (medians): {ratio:.3f}   target T6 (CPU): <= 0.25")
+    print(f"  ratio: {ratio:.3f} (medians), {ratio_min:.3f} (minima)   target T6 (CPU): <= 0.25")
 
     # 2. Throughput, 0% hits.
     rates: dict[bool, list[float]] = {True: [], False: []}
@@ -138,11 +140,12 @@ def main() -> None:
     hits = on.block_manager.prefix_hits - hits_before
     queries = on.block_manager.prefix_queries - queries_before
     loss = 1 - statistics.median(rates[True]) / statistics.median(rates[False])
+    loss_max = 1 - max(rates[True]) / max(rates[False])
     print(f"\nThroughput, 0% hits: {args.batch} x ({args.batch_input_len} in, "
           f"{args.batch_output_len} out) per batch; hit rate {hits}/{queries} tokens")
     print(f"  cache on : {spread(rates[True])} tok/s")
     print(f"  cache off: {spread(rates[False])} tok/s")
-    print(f"  loss (medians): {loss * 100:.2f}%   target: <= 1%")
+    print(f"  loss: {loss * 100:.2f}% (medians), {loss_max * 100:.2f}% (maxima)   target: <= 1%")
     share = {c: work[c].seconds / wall[c] for c in (True, False)}
     print(f"  block manager prefix-cache work: on {work[True].seconds * 1000:.1f} ms "
           f"({share[True] * 100:.3f}% of {wall[True]:.1f} s), off {work[False].seconds * 1000:.1f}"
@@ -153,9 +156,9 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "config": {k: str(v) for k, v in vars(args).items()},
             "ttft_s": {"cache_on": times[True], "cache_off": times[False]},
-            "ttft_ratio": ratio, "cached_tokens": cached,
+            "ttft_ratio": ratio, "ttft_ratio_minima": ratio_min, "cached_tokens": cached,
             "throughput_tok_s": {"cache_on": rates[True], "cache_off": rates[False]},
-            "throughput_loss": loss, "cache_work_share": {"on": share[True], "off": share[False]},
+            "throughput_loss": loss, "throughput_loss_maxima": loss_max, "cache_work_share": {"on": share[True], "off": share[False]},
             "zero_hit_hits": hits, "zero_hit_queries": queries,
         }, indent=1))
 

@@ -38,11 +38,11 @@ class InstanceConfig:
     HELP = {
         "host": "address the gRPC server listens on (0.0.0.0 for every interface)",
         "port": "gRPC port (0 picks a free one; the registry tells the gateway which)",
-        "advertise_host": "host name or IP other services dial (default: --host, or this "
+        "advertise_host": "host name or IP other services dial; unset: --host, or this "
                           "machine's IP when listening on every interface)",
         "registry_url": "Redis URL of the block registry",
         "registry_namespace": "key prefix shared by every service of one stack",
-        "instance_id": "id in the registry (default: <kind>-<hostname>-<pid>)",
+        "instance_id": "id in the registry; unset: <kind>-<hostname>-<pid>",
         "heartbeat_ttl_s": "registry record lifetime; refreshed every third of it, so a dead "
                            "instance disappears within it",
         "stats_interval_s": "how often the load figures sent with the heartbeat are refreshed",

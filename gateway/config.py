@@ -36,10 +36,10 @@ class GatewayConfig:
         "registry_url": "Redis URL of the block registry (service discovery, prefix index)",
         "registry_namespace": "key prefix shared by every service of one stack",
         "model": "model spec; the gateway only reads its tokenizer and config",
-        "served_model_name": "name clients use for the model (default: derived from --model)",
+        "served_model_name": "name clients use for the model; unset: derived from --model",
         "model_cache_dir": "where converted (GGUF -> safetensors) models are cached",
-        "tokenizer": "model directory to read the tokenizer and config.json from (default: "
-                     "--model's, converted by a prefill or decode service)",
+        "tokenizer": "model directory to read the tokenizer and config.json from; unset: "
+                     "--model's, converted by a prefill or decode service",
         "model_wait_s": "how long to wait at start-up for a service to convert the model",
         "max_inflight": "requests served at once; more get RESOURCE_EXHAUSTED",
         "request_timeout_s": "deadline for requests whose client set none",

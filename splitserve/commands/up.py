@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--http-port", type=int, default=0,
                    help="gateway's HTTP port (reserved; not served yet, 0 = off)")
     g.add_argument("--registry-url", default=None,
-                   help="Redis URL of an external registry (default: start a private redis-server)")
+                   help="Redis URL of an external registry; unset: start a private redis-server")
     g.add_argument("--registry-namespace", default="splitserve",
                    help="key prefix of this stack in the registry")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill services to start")
