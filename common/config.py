@@ -30,7 +30,7 @@ class EngineConfig:
     seed: int = 0
     speculative_method: str | None = None  # None (off), "ngram" or "draft"
     speculative_model: str | None = None   # the draft model (method "draft")
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 6
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
 
