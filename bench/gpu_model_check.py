@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-import common.engine
 from common.config import EngineConfig
 from common.cuda_runner import CudaGraphRunner
 from common.engine import LLMEngine
@@ -42,14 +41,8 @@ from common.sequence import Sequence
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    """LLMEngine with CudaGraphRunner (the engine builds common.engine.ModelRunner; until it
-    calls common.cuda_runner.make_runner, that name is pointed at CudaGraphRunner here)."""
-    saved = common.engine.ModelRunner
-    common.engine.ModelRunner = CudaGraphRunner
-    try:
-        return LLMEngine(config)
-    finally:
-        common.engine.ModelRunner = saved
+    """LLMEngine with CudaGraphRunner (what the engine picks on CUDA, named explicitly)."""
+    return LLMEngine(config, runner_factory=CudaGraphRunner)
 
 
 def hf_llama_config(mc: ModelConfig):

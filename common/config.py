@@ -28,6 +28,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     model_cache_dir: str = str(DEFAULT_CACHE_DIR)
     seed: int = 0
+    cpu_threads: int = 0                # torch intra-op threads on CPU; 0 = torch's default
     speculative_method: str | None = None  # None (off), "ngram" or "draft"
     speculative_model: str | None = None   # the draft model (method "draft")
     num_speculative_tokens: int = 6
@@ -51,6 +52,8 @@ class EngineConfig:
         "enable_chunked_prefill": "split long prompts across steps and mix them with decodes",
         "model_cache_dir": "where converted (GGUF -> safetensors) models are cached",
         "seed": "seed for dummy weights and unseeded sampling",
+        "cpu_threads": "torch threads on CPU (0: one per core); give each service its share "
+                       "when several run on one machine",
         "speculative_method": "speculative decoding: ngram (prompt lookup) or draft (a smaller "
                               "model, --speculative-model); default off",
         "speculative_model": "draft model for --speculative-method draft (same tokenizer and "

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from common.block_manager import BlockManager
 from common.config import EngineConfig
+from common.cuda_runner import make_runner
 from common.detokenizer import IncrementalDetokenizer, StopChecker
 from common.model_runner import KVAllocator, ModelRunner
 from common.models.loader import load_model, resolve_model
@@ -82,7 +84,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_cache_allocator: KVAllocator | None = None):
+    def __init__(self, config: EngineConfig, kv_cache_allocator: KVAllocator | None = None,
+                 runner_factory: Callable[..., ModelRunner] = make_runner):
+        """runner_factory builds the model runner (default: CUDA graphs on CUDA, the plain runner
+        elsewhere); tests pass a runner class to compare runners on the same device."""
         self.config = config
         self.device = resolve_device(config.device)
         if config.dtype == "auto":
@@ -90,6 +95,8 @@ class LLMEngine:
         else:
             self.dtype = _DTYPES[config.dtype]
         torch.manual_seed(config.seed)
+        if config.cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
         cache_dir = config.model_cache_dir
         self.model, self.model_config = load_model(
             config.model, dtype=self.dtype, device=self.device, cache_dir=cache_dir)
@@ -104,7 +111,7 @@ class LLMEngine:
         if config.speculative_method == "draft":  # loaded first: its weights are not KV memory
             draft_model, draft_mc = load_draft_model(config, mc, self.dtype, self.device)
             draft_bytes = kv_bytes_per_block(draft_mc, config.block_size, self.dtype)
-        self.runner = ModelRunner(self.model, mc, config, self.device, self.dtype,
+        self.runner = runner_factory(self.model, mc, config, self.device, self.dtype,
                                   kv_cache_allocator, extra_bytes_per_block=draft_bytes)
         self.speculator = make_speculator(config, self.max_model_len,
                                           num_blocks=self.runner.num_blocks,
@@ -273,9 +280,12 @@ class LLMEngine:
         if text is None:
             return "", reason
         delta = text.detok.add([token])
+        if reason is not None:  # release a trailing incomplete character at the end
+            delta += text.detok.flush()
         text.raw += delta
-        emit, stopped = text.stops.check(text.raw, delta)
-        if stopped and seq.num_output_tokens >= p.min_tokens:
+        emit, stopped = text.stops.check(text.raw, delta,
+                                         can_stop=seq.num_output_tokens >= p.min_tokens)
+        if stopped:
             reason = FinishReason.STOP
         elif reason is not None:
             emit += text.stops.flush()

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import redis
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from common.block_manager import NoFreeBlocksError
 from common.sampling_params import InvalidRequestError
+from common.tls import PLAINTEXT, TlsConfig, add_port, aio_channel
 
 log = logging.getLogger("splitserve.grpc")
 
@@ -56,6 +59,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code(), exc.details() or exc.code().name
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    if isinstance(exc, redis.RedisError):  # the caller may retry once the registry is back
+        return grpc.StatusCode.UNAVAILABLE, f"the block registry is unreachable: {exc}"
+    if isinstance(exc, DecodeError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
@@ -66,10 +73,11 @@ async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception, method:
     await context.abort(code, details)
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
+                parse: Callable[[bytes], Any]) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await fn(request, context)
+            return await fn(parse(request), context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
@@ -78,10 +86,11 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[...,
     return unary
 
 
-def _wrap_stream(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+def _wrap_stream(fn: Callable[..., Any], method: str,
+                 parse: Callable[[bytes], Any]) -> Callable[..., Any]:
+    async def stream(request: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            async for item in fn(request, context):
+            async for item in fn(parse(request), context):
                 yield item
         except grpc.aio.AbortError:
             raise
@@ -91,8 +100,14 @@ def _wrap_stream(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
     return stream
 
 
+def _parser(handler: grpc.RpcMethodHandler) -> Callable[[bytes], Any]:
+    return handler.request_deserializer or (lambda raw: raw)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions escaping splitserve.v1 servicer methods to gRPC status codes."""
+    """Maps exceptions escaping splitserve.v1 servicer methods to gRPC status codes. Requests are
+    parsed inside the wrapper, so a malformed one gets INVALID_ARGUMENT (grpc's own parsing would
+    answer UNKNOWN)."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -101,13 +116,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(handler.unary_unary, method, _parser(handler)),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(handler.unary_stream, method, _parser(handler)),
                 response_serializer=handler.response_serializer)
         return handler
 
@@ -128,13 +141,17 @@ class GrpcServer:
     """An aio server with health checking, reflection and ErrorInterceptor.
 
     Built in two steps so the port is known before the servicers are: construct (binds host:port,
-    0 picks a free port), add() the services, then start().
+    0 picks a free port; TLS-only when `tls` has a certificate), add() the services, then start().
+    `interceptors` run before ErrorInterceptor (an API-key check refuses before any parsing).
     """
 
-    def __init__(self, host: str, port: int, max_concurrent_rpcs: int | None = None):
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS,
+    def __init__(self, host: str, port: int, max_concurrent_rpcs: int | None = None, *,
+                 tls: TlsConfig = PLAINTEXT,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        self.server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()],
+                                      options=CHANNEL_OPTIONS,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self.server, f"{host}:{port}", tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.health = health_aio.HealthServicer()
@@ -179,3 +196,9 @@ async def wait_for_signal(signals: Sequence[int] = (signal.SIGINT, signal.SIGTER
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def channel(address: str, tls: TlsConfig) -> grpc.aio.Channel:
+    """A channel to another splitserve service: TLS (and the client certificate, for mTLS) as
+    configured, else plaintext."""
+    return aio_channel(address, tls, CHANNEL_OPTIONS)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from common.engine_loop import EngineLoop
 from common.kv_transport.locality import host_id
+from common.metrics import SLO, EngineStats, engine_stats
 from common.registry import BlockRegistry, Heartbeat, InstanceInfo, InstanceKind
 from protos.splitserve.v1 import types_pb2
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from common.engine import LLMEngine
 
 log = logging.getLogger("splitserve.instance")
+
+SCRAPE_TIMEOUT_S = 5.0  # a /metrics scrape waits at most this long for the engine's thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,9 @@ class InstanceConfig:
     heartbeat_ttl_s: float = 3.0
     stats_interval_s: float = 0.25
     shutdown_grace_s: float = 5.0
+    metrics_port: int = 0
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
 
     HELP = {
         "host": "address the gRPC server listens on (0.0.0.0 for every interface)",
@@ -47,6 +53,9 @@ class InstanceConfig:
                            "instance disappears within it",
         "stats_interval_s": "how often the load figures sent with the heartbeat are refreshed",
         "shutdown_grace_s": "on SIGTERM, how long in-flight requests may finish",
+        "metrics_port": "port of Prometheus /metrics (0 = off)",
+        "slo_ttft_ms": "goodput: time-to-first-token objective in ms (prefill; 0 = none)",
+        "slo_tpot_ms": "goodput: time-per-output-token objective in ms (decode; 0 = none)",
     }
 
     def __post_init__(self) -> None:
@@ -56,6 +65,14 @@ class InstanceConfig:
             raise ValueError("--heartbeat-ttl-s and --stats-interval-s must be positive")
         if self.shutdown_grace_s < 0:
             raise ValueError("--shutdown-grace-s must be >= 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port out of range: {self.metrics_port}")
+        if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
+            raise ValueError("SLOs must be >= 0 (0 = none)")
+
+    @property
+    def slo(self) -> SLO:
+        return SLO(self.slo_ttft_ms / 1000, self.slo_tpot_ms / 1000)
 
     def resolved_instance_id(self, kind: str) -> str:
         return self.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}"
@@ -107,6 +124,11 @@ class ServiceInstance:
         self.heartbeat.update(num_waiting=counts["num_waiting"],
                               num_running=counts["num_running"],
                               free_blocks=counts["num_free_blocks"])
+
+    def engine_stats(self) -> EngineStats:
+        """A snapshot for /metrics, taken on the engine's thread (blocks the scraping thread
+        until the current step ends)."""
+        return self.loop.call(engine_stats).result(timeout=SCRAPE_TIMEOUT_S)
 
     def stop(self) -> None:
         """Leave the registry first (no new requests are routed here), then stop the engine."""

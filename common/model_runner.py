@@ -26,9 +26,9 @@ KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tenso
 
 
 def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Zeroed, not empty: the reference decode attention multiplies masked-out slots by a zero
-    # weight, and 0 * NaN from uninitialised memory would poison the row.
-    return torch.zeros(shape, dtype=dtype, device=device)
+    # Uninitialised: attention never reads a slot past a sequence's end (the reference ops and
+    # kernels mask them), and a large CPU pool then costs memory only where it is used.
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:

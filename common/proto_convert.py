@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from common.sampling_params import SamplingParams
 from protos.splitserve.v1 import types_pb2
 
+if TYPE_CHECKING:
+    from common.sampler import TokenLogprobs
+
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "repetition_penalty", "frequency_penalty", "presence_penalty",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "logprobs")
 
 FINISH_TO_PB = {
     None: types_pb2.FINISH_REASON_UNSPECIFIED,
@@ -42,3 +47,9 @@ def params_to_pb(params: SamplingParams) -> types_pb2.SamplingParams:
 
 def ms(seconds: float | None) -> float:
     return 0.0 if seconds is None else seconds * 1000.0
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> types_pb2.TokenLogprobs:
+    return types_pb2.TokenLogprobs(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[types_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from common.engine_loop import EngineLoop
 from common.kv_transport import KVReceiver, TransferError
+from common.metrics import DecodeMetrics
 from common.registry import BlockRegistry
 
 log = logging.getLogger("splitserve.decode.handoff")
@@ -25,7 +27,7 @@ class HandoffFailed(Exception):
 
 class HandoffPuller:
     def __init__(self, registry: BlockRegistry, loop: EngineLoop, instance_id: str,
-                 timeout_s: float):
+                 timeout_s: float, metrics: DecodeMetrics):
         self.registry = registry
         self.loop = loop
         self.instance_id = instance_id
@@ -34,11 +36,14 @@ class HandoffPuller:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self.pending: set[str] = set()
         self.transports_used: dict[str, int] = {}
+        self.metrics = metrics
 
     async def pull(self, handoff_id: str) -> list[int]:
         """Blocks of this engine's pool now holding the handoff's prompt KV (caller owns them)."""
+        start = time.monotonic()
         desc = await asyncio.to_thread(self.registry.claim_handoff, handoff_id, self.instance_id)
         if desc is None:
+            self.metrics.handoff_failures("gone").inc()
             raise HandoffFailed(f"handoff {handoff_id} is gone or claimed by another service")
         blocks = await asyncio.wrap_future(
             self.loop.call(lambda e: e.reserve_blocks(len(desc.block_ids))))
@@ -52,10 +57,15 @@ class HandoffPuller:
             self.transports_used[name] = self.transports_used.get(name, 0) + 1
             if not await asyncio.to_thread(self.registry.complete_handoff, handoff_id,
                                            self.instance_id):
+                self.metrics.handoff_failures("lease_expired").inc()
                 raise HandoffFailed(f"handoff {handoff_id}: the lease ran out during the pull")
             keep = True
+            block_bytes = pool.numel() // pool.shape[2] * pool.element_size()
+            self.metrics.observe_handoff(name, len(blocks) * block_bytes,
+                                         time.monotonic() - start)
             return blocks
         except TransferError as e:
+            self.metrics.handoff_failures("transfer").inc()
             raise HandoffFailed(str(e)) from e
         finally:
             self.pending.discard(handoff_id)

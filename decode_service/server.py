@@ -10,6 +10,7 @@ from common.config import EngineConfig
 from common.engine import LLMEngine
 from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.instance import ServiceInstance
+from common.metrics import DecodeMetrics
 from common.registry import BlockRegistry
 from decode_service.config import DecodeConfig
 from decode_service.handoff import HandoffPuller
@@ -25,11 +26,16 @@ async def serve(config: DecodeConfig, engine_config: EngineConfig) -> None:
     engine = LLMEngine(engine_config)
     server = GrpcServer(config.host, config.port)
     instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
-    puller = HandoffPuller(registry, instance.loop, instance.instance_id, config.pull_timeout_s)
-    server.add(Service(DecodeServicer(instance, puller), decode_pb2_grpc.add_DecodeServicer_to_server,
+    metrics = DecodeMetrics(engine.model_name, config.slo, instance.engine_stats)
+    puller = HandoffPuller(registry, instance.loop, instance.instance_id, config.pull_timeout_s,
+                           metrics)
+    server.add(Service(DecodeServicer(instance, puller, metrics),
+                       decode_pb2_grpc.add_DecodeServicer_to_server,
                        service_name(decode_pb2, "Decode")))
     await server.start()
     instance.start()
+    metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port \
+        else None
     maintain = asyncio.create_task(_maintain(instance, config.stats_interval_s))
     try:
         await wait_for_signal()
@@ -41,6 +47,8 @@ async def serve(config: DecodeConfig, engine_config: EngineConfig) -> None:
         maintain.cancel()
         await asyncio.gather(maintain, return_exceptions=True)
         puller.close()
+        if metrics_server is not None:
+            metrics_server.close()
         instance.loop.stop()
         registry.close()
         log.info("decode %s stopped in %.1f s", instance.instance_id, time.monotonic() - stopping)

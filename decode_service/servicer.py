@@ -19,7 +19,8 @@ from common.engine import Prefilled
 from common.engine_loop import AsyncOutputStream
 from common.grpc_util import ServiceError
 from common.instance import ServiceInstance
-from common.proto_convert import FINISH_TO_PB, ms, params_from_pb
+from common.metrics import DecodeMetrics, StreamTimer
+from common.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
 from common.sampling_params import SamplingParams
 from decode_service.handoff import HandoffFailed, HandoffPuller
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc, types_pb2
@@ -28,9 +29,10 @@ log = logging.getLogger("splitserve.decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, instance: ServiceInstance, puller: HandoffPuller):
+    def __init__(self, instance: ServiceInstance, puller: HandoffPuller, metrics: DecodeMetrics):
         self.instance = instance
         self.puller = puller
+        self.metrics = metrics
 
     async def Decode(self, request: decode_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -42,6 +44,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         loop = self.instance.loop
         stream = AsyncOutputStream()
         start = time.monotonic()
+        timer = StreamTimer(start)
         self.instance.num_inflight += 1
         finished = False
         try:
@@ -51,6 +54,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             joined = time.monotonic()
             first = True
             async for out in stream:
+                self.metrics.observe_tokens(timer, len(out.new_token_ids), time.monotonic())
+                if out.finished:
+                    self.metrics.observe_finished(timer, out.metrics, time.monotonic())
                 # The first token's text, as this engine's stop-string matcher saw it.
                 text = out.text if first and request.handoff.include_first_text else out.new_text
                 finished = out.finished
@@ -59,7 +65,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     finish_reason=FINISH_TO_PB[out.finish_reason if finished else None],
                     num_cached_tokens=out.num_cached_tokens,
                     handoff_ms=handoff_ms if first else 0.0,
-                    decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id)
+                    decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id,
+                    logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()])
                 first = False
         finally:
             self.instance.num_inflight -= 1

@@ -14,6 +14,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 0
+    metrics_port: int = 0
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
     registry_url: str = "redis://127.0.0.1:6379/0"
     registry_namespace: str = "splitserve"
     model: str = "SmolLM2-135M-Instruct"
@@ -32,7 +35,11 @@ class GatewayConfig:
     HELP = {
         "host": "address the gRPC server listens on (0.0.0.0 for every interface)",
         "grpc_port": "port of the public gRPC API (0 picks a free one)",
-        "http_port": "port of the HTTP API (reserved; not served yet, 0 = off)",
+        "http_port": "port of the OpenAI-compatible HTTP API, which also serves /metrics "
+                     "(0 = off)",
+        "metrics_port": "port of Prometheus /metrics (0 = off)",
+        "slo_ttft_ms": "goodput: time-to-first-token objective in ms (0 = none)",
+        "slo_tpot_ms": "goodput: time-per-output-token objective in ms (0 = none)",
         "registry_url": "Redis URL of the block registry (service discovery, prefix index)",
         "registry_namespace": "key prefix shared by every service of one stack",
         "model": "model spec; the gateway only reads its tokenizer and config",
@@ -57,6 +64,8 @@ class GatewayConfig:
         checks = [
             (0 <= self.grpc_port < 65536, f"--grpc-port out of range: {self.grpc_port}"),
             (0 <= self.http_port < 65536, f"--http-port out of range: {self.http_port}"),
+            (0 <= self.metrics_port < 65536, f"--metrics-port out of range: {self.metrics_port}"),
+            (self.slo_ttft_ms >= 0 and self.slo_tpot_ms >= 0, "SLOs must be >= 0 (0 = none)"),
             (self.max_inflight >= 1, "--max-inflight must be at least 1"),
             (self.request_timeout_s > 0, "--request-timeout-s must be positive"),
             (self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0"),

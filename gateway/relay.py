@@ -68,12 +68,13 @@ class _Progress:
     completed: bool = False
 
     def final(self, request_id: str, reason: int, token_ids: Sequence[int] = (),
-              text: str = "") -> generation_pb2.GenerateStreamResponse:
+              text: str = "", logprobs: Sequence[types_pb2.TokenLogprobs] = (),
+              ) -> generation_pb2.GenerateStreamResponse:
         self.completed = reason != types_pb2.FINISH_REASON_ABORT
         self.timings.total_ms = ms(time.monotonic() - self.arrival)
         return generation_pb2.GenerateStreamResponse(
             request_id=request_id, token_ids=token_ids, text=text, finish_reason=reason,
-            usage=self.usage, timings=self.timings)
+            usage=self.usage, timings=self.timings, logprobs=logprobs)
 
 
 class Relay:
@@ -142,6 +143,7 @@ class Relay:
                                              include_first_text=bool(req.params.stop))
                     return
                 first_token = resp.first_token_id
+                first_logprobs = [resp.first_logprobs] if resp.HasField("first_logprobs") else []
                 t = st.timings
                 t.prefill_queue_ms, t.prefill_compute_ms = resp.queue_ms, resp.compute_ms
                 t.prefill_instance = resp.instance_id
@@ -149,13 +151,13 @@ class Relay:
                 st.usage.num_cached_tokens, st.usage.completion_tokens = resp.num_cached_tokens, 1
                 if resp.finish_reason:
                     yield st.final(req.request_id, resp.finish_reason, [first_token],
-                                   resp.first_text)
+                                   resp.first_text, first_logprobs)
                     return
                 # With stop strings the first token's text comes from the decode side, whose
                 # matcher sees what follows it (the prefill side had to flush held-back text).
                 yield generation_pb2.GenerateStreamResponse(
                     request_id=req.request_id, token_ids=[first_token],
-                    text="" if req.params.stop else resp.first_text)
+                    text="" if req.params.stop else resp.first_text, logprobs=first_logprobs)
         raise ServiceError(grpc.StatusCode.INTERNAL,
                            f"prefill {prefill.instance_id} ended without a handoff")
 
@@ -174,10 +176,12 @@ class Relay:
                     st.usage.num_cached_tokens = msg.num_cached_tokens
                 if msg.finish_reason:
                     st.timings.decode_ms = msg.decode_ms
-                    yield st.final(req.request_id, msg.finish_reason, msg.token_ids, msg.text)
+                    yield st.final(req.request_id, msg.finish_reason, msg.token_ids, msg.text,
+                                   msg.logprobs)
                     return
                 yield generation_pb2.GenerateStreamResponse(
-                    request_id=req.request_id, token_ids=msg.token_ids, text=msg.text)
+                    request_id=req.request_id, token_ids=msg.token_ids, text=msg.text,
+                    logprobs=msg.logprobs)
 
     async def _pick_decode(self, prompt: list[int], max_tokens: int) -> InstanceInfo:
         try:

@@ -1,4 +1,5 @@
-"""Runs the gateway: tokenizer and model metadata, registry view, router, public gRPC server."""
+"""Runs the gateway: tokenizer and model metadata, registry view, router, public gRPC server,
+the OpenAI-compatible HTTP API (--http-port) and /metrics (--metrics-port)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import logging
 import time
 
 from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.metrics import SLO, GatewayMetrics
 from common.registry import BlockRegistry
 from common.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
+from gateway.http_api import OpenAIApi, create_app
+from gateway.http_server import HttpServer
 from gateway.instances import Instances
 from gateway.model_files import wait_for_model_files
 from gateway.relay import Relay
@@ -38,20 +42,37 @@ async def serve(config: GatewayConfig) -> None:
     instances = Instances(registry, config.discovery_interval_s)
     router = Router(RouterConfig(config.prefix_token_weight, config.queued_request_cost_tokens))
     relay = Relay(config, registry, instances, router)
-    servicer = GenerationServicer(config, frontend, relay, instances, eos_token_ids)
+    # Scraped only once serving, when `servicer` exists.
+    metrics = GatewayMetrics(frontend.model_name,
+                             SLO(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000),
+                             lambda: len(servicer.inflight))
+    servicer = GenerationServicer(config, frontend, relay, instances, eos_token_ids, metrics)
     server = GrpcServer(config.host, config.grpc_port)
     server.add(Service(servicer, generation_pb2_grpc.add_GenerationServicer_to_server,
                        service_name(generation_pb2, "Generation")))
     await server.start()
+    http = None
+    if config.http_port:
+        app = create_app(OpenAIApi(frontend, servicer.stream), metrics.exposition)
+        http = HttpServer(app, config.host, config.http_port)
+        await http.start()
+    metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port \
+        else None
     discovery = asyncio.create_task(instances.run())
-    log.info("gateway serving %s on %s:%d (registry %s, namespace %s)", frontend.model_name,
-             config.host, server.port, config.registry_url, config.registry_namespace)
+    log.info("gateway serving %s on %s:%d (HTTP %s, metrics %s; registry %s, namespace %s)",
+             frontend.model_name, config.host, server.port, http.port if http else "off",
+             config.metrics_port or "off", config.registry_url, config.registry_namespace)
     try:
         await wait_for_signal()
     finally:
         stopping = time.monotonic()
         log.info("gateway stopping")
-        await server.stop(config.shutdown_grace_s)
+        stops = [server.stop(config.shutdown_grace_s)]
+        if http is not None:
+            stops.append(http.stop(config.shutdown_grace_s))
+        await asyncio.gather(*stops)
+        if metrics_server is not None:
+            metrics_server.close()
         discovery.cancel()
         await asyncio.gather(discovery, return_exceptions=True)
         await instances.close()

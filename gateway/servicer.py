@@ -1,15 +1,22 @@
-"""The public Generation service: validation and backpressure here, the rest in Relay."""
+"""The public Generation service: validation and backpressure here, the rest in Relay.
+
+`stream` is the one way into the stack: GenerateStream calls it, and so does the HTTP API
+(gateway/http_api.py); it also records what clients see in the gateway's metrics.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
-from common.grpc_util import ServiceError
+from common.grpc_util import ServiceError, status_of
+from common.metrics import GatewayMetrics, StreamTimer
+from common.proto_convert import FINISH_FROM_PB
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.instances import Instances
@@ -21,18 +28,45 @@ STATS_TIMEOUT_S = 2.0
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, frontend: Frontend, relay: Relay,
-                 instances: Instances, eos_token_ids: tuple[int, ...]):
+                 instances: Instances, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics):
         self.config = config
         self.frontend = frontend
         self.relay = relay
         self.instances = instances
         self.eos_token_ids = eos_token_ids
         self.inflight: dict[str, Inflight] = {}
+        self.metrics = metrics
 
     async def GenerateStream(self, request: generation_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext,
                              ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        async for msg in self.stream(request, context.time_remaining()):
+            yield msg
+
+    async def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float | None,
+                     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """One request through the stack; timeout_s None: --request-timeout-s."""
         arrival = time.monotonic()
+        timer = StreamTimer(arrival)
+        try:
+            async with contextlib.aclosing(self._stream(request, arrival, timeout_s)) as pieces:
+                async for msg in pieces:
+                    now = time.monotonic()
+                    self.metrics.observe_tokens(timer, len(msg.token_ids), now)
+                    if msg.finish_reason:
+                        self.metrics.observe_finished(timer, FINISH_FROM_PB[msg.finish_reason],
+                                                      msg.usage.prompt_tokens, now)
+                    yield msg
+        except asyncio.CancelledError:
+            self.metrics.observe_failed(grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception as exc:
+            self.metrics.observe_failed(status_of(exc)[0].name)
+            raise
+
+    async def _stream(self, request: generation_pb2.GenerateRequest, arrival: float,
+                      timeout_s: float | None,
+                      ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         if len(self.inflight) >= self.config.max_inflight:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the gateway is serving its limit of {self.config.max_inflight} "
@@ -43,11 +77,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                f"request_id {req.request_id!r} is already in flight")
         handle = Inflight(req.request_id, f"{req.request_id}-{uuid.uuid4().hex[:8]}")
         self.inflight[req.request_id] = handle
-        timeout = context.time_remaining()
-        deadline = arrival + (self.config.request_timeout_s if timeout is None else timeout)
+        deadline = arrival + (self.config.request_timeout_s if timeout_s is None else timeout_s)
         try:
-            async for msg in self.relay.run(req, handle, arrival, deadline):
-                yield msg
+            async with contextlib.aclosing(self.relay.run(req, handle, arrival, deadline)) as run:
+                async for msg in run:
+                    yield msg
         finally:
             del self.inflight[req.request_id]
 
@@ -58,6 +92,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         async for msg in self.GenerateStream(request, context):
             out.request_id = msg.request_id
             out.token_ids.extend(msg.token_ids)
+            out.logprobs.extend(msg.logprobs)
             texts.append(msg.text)
             if msg.finish_reason:
                 out.finish_reason = msg.finish_reason

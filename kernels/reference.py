@@ -46,10 +46,14 @@ def paged_attention_decode(q: torch.Tensor,             # [B, heads, head_dim]
     max_len = int(seq_lens.max())
     n_blocks = -(-max_len // bs)
     table = block_tables[:, :n_blocks].long()
-    k = k_cache[table].reshape(b, n_blocks * bs, kvh, d).transpose(1, 2)  # [B, kvh, L, d]
-    v = v_cache[table].reshape(b, n_blocks * bs, kvh, d).transpose(1, 2)
     pos = torch.arange(n_blocks * bs, device=q.device)
-    mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B, 1, 1, L]
+    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # [B, L]
+    # Slots past a sequence's end hold whatever the pool held (possibly NaN): zero them in the
+    # gathered copies, since a zero attention weight times NaN is still NaN.
+    k = k_cache[table].reshape(b, n_blocks * bs, kvh, d).masked_fill_(~valid[:, :, None, None], 0)
+    v = v_cache[table].reshape(b, n_blocks * bs, kvh, d).masked_fill_(~valid[:, :, None, None], 0)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kvh, L, d]
+    mask = valid[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
         enable_gqa=(h != kvh))

@@ -13,18 +13,21 @@ import asyncio
 import logging
 
 from common.engine_loop import EngineLoop
+from common.metrics import PrefillMetrics
 from common.registry import BlockRegistry, HandoffState
 
 log = logging.getLogger("splitserve.prefill.holds")
 
 
 class HandoffHolds:
-    def __init__(self, registry: BlockRegistry, loop: EngineLoop, interval_s: float):
+    def __init__(self, registry: BlockRegistry, loop: EngineLoop, interval_s: float,
+                 metrics: PrefillMetrics):
         self.registry = registry
         self.loop = loop
         self.interval_s = interval_s
         self.held: set[str] = set()
         self.released: dict[HandoffState, int] = {s: 0 for s in HandoffState}
+        self.metrics = metrics
         self._wake = asyncio.Event()
 
     def add(self, request_id: str) -> None:
@@ -60,10 +63,20 @@ class HandoffHolds:
                 if state.finished and request_id in self.held:
                     self.held.discard(request_id)
                     self.released[state] += 1
-                    self.loop.call(lambda e, rid=request_id: e.release_held(rid))
+                    released = self.loop.call(lambda e, rid=request_id: _release(e, rid))
+                    if state is HandoffState.EXPIRED:  # nobody pulled: the blocks were stranded
+                        released.add_done_callback(
+                            lambda f: self.metrics.observe_lease_expired(f.result()))
             await asyncio.sleep(self.interval_s)
 
     async def release_all(self) -> None:
         """At shutdown: withdraw every handoff still held."""
         for request_id in sorted(self.held):
             await self.cancel(request_id)
+
+
+def _release(engine, request_id: str) -> int:
+    """Release a held handoff on the engine's thread; the number of blocks it held."""
+    num_blocks = len(engine.held.get(request_id, ()))
+    engine.release_held(request_id)
+    return num_blocks

@@ -12,6 +12,7 @@ from common.engine import LLMEngine, resolve_device
 from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.instance import ServiceInstance
 from common.kv_transport import KVSource, KVTransferServicer, SharedMemoryPool
+from common.metrics import PrefillMetrics
 from common.registry import BlockRegistry
 from prefill_service.config import PrefillConfig
 from prefill_service.holds import HandoffHolds
@@ -36,10 +37,12 @@ async def serve(config: PrefillConfig, engine_config: EngineConfig) -> None:
     instance = ServiceInstance("prefill", config, engine, registry, config.address(server.port))
     source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
                       address=instance.address, shm=shm)
-    holds = HandoffHolds(registry, instance.loop, config.reap_interval_s)
+    metrics = PrefillMetrics(engine.model_name, config.slo, instance.engine_stats)
+    holds = HandoffHolds(registry, instance.loop, config.reap_interval_s, metrics)
     prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
     instance.heartbeat.on_reregister = lambda: setattr(prefixes, "republish", True)
-    server.add(Service(PrefillServicer(instance, source, holds, prefixes, config.handoff_lease_s),
+    server.add(Service(PrefillServicer(instance, source, holds, prefixes, config.handoff_lease_s,
+                                       metrics),
                        prefill_pb2_grpc.add_PrefillServicer_to_server,
                        service_name(prefill_pb2, "Prefill")))
     server.add(Service(KVTransferServicer(source),
@@ -47,6 +50,8 @@ async def serve(config: PrefillConfig, engine_config: EngineConfig) -> None:
                        service_name(kv_transfer_pb2, "KVTransfer")))
     await server.start()
     instance.start()
+    metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port \
+        else None
     background = [asyncio.create_task(holds.run()),
                   asyncio.create_task(_maintain(instance, prefixes, config))]
     try:
@@ -61,6 +66,8 @@ async def serve(config: PrefillConfig, engine_config: EngineConfig) -> None:
         await asyncio.gather(*background, return_exceptions=True)
         await holds.release_all()
         registry.clear_instance(instance.instance_id)
+        if metrics_server is not None:
+            metrics_server.close()
         instance.loop.stop()
         source.close()
         if shm is not None:

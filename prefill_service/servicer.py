@@ -19,7 +19,8 @@ from common.engine_loop import AsyncOutputStream
 from common.grpc_util import ServiceError
 from common.instance import ServiceInstance
 from common.kv_transport import KVSource
-from common.proto_convert import FINISH_TO_PB, ms, params_from_pb
+from common.metrics import PrefillMetrics
+from common.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
 from prefill_service.holds import HandoffHolds
 from prefill_service.prefix_sync import PrefixSync
 from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
@@ -29,12 +30,13 @@ log = logging.getLogger("splitserve.prefill")
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, instance: ServiceInstance, source: KVSource, holds: HandoffHolds,
-                 prefixes: PrefixSync, lease_s: float):
+                 prefixes: PrefixSync, lease_s: float, metrics: PrefillMetrics):
         self.instance = instance
         self.source = source
         self.holds = holds
         self.prefixes = prefixes
         self.lease_s = lease_s
+        self.metrics = metrics
         self._background: set[asyncio.Task] = set()
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
@@ -56,6 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 final = out
             ends = final.finish_reason == "stop" or params.max_tokens == 1
             m = final.metrics
+            self.metrics.observe_prefilled(m)
             yield prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=final.output_token_ids[0],
                 first_text=final.new_text,
@@ -63,7 +66,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 num_cached_tokens=final.num_cached_tokens,
                 queue_ms=ms(m.first_scheduled_time - m.arrival_time),
                 compute_ms=ms(m.first_token_time - m.first_scheduled_time),
-                instance_id=self.instance.instance_id)
+                instance_id=self.instance.instance_id,
+                first_logprobs=logprobs_to_pb(final.logprobs[0]) if final.logprobs else None)
             self._spawn(self.prefixes.add(final.block_hashes))
             if ends:
                 outcome = "ended"
@@ -74,6 +78,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await asyncio.to_thread(self.instance.registry.publish_handoff, desc, self.lease_s)
             # Watched only once published: before that its record reads as expired.
             self.holds.add(rid)
+            self.metrics.handoffs.inc()
             outcome = "held"
             yield prefill_pb2.PrefillResponse(request_id=rid, handoff_id=rid,
                                               publish_ms=ms(time.monotonic() - start),

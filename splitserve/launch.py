@@ -16,14 +16,23 @@ ROLES = ("gateway", "prefill", "decode")
 
 def service_argv(role: str, *, registry_url: str, namespace: str = "splitserve",
                  host: str = "127.0.0.1", port: int = 0, model: str = "SmolLM2-135M-Instruct",
-                 extra: Sequence[str] = ()) -> list[str]:
+                 metrics_port: int = 0, http_port: int = 0, extra: Sequence[str] = (),
+                 ) -> list[str]:
     """`splitserve <role> ...`: the flags every deployment sets, then `extra` (engine flags for
-    prefill and decode, e.g. --num-kv-blocks)."""
+    prefill and decode, e.g. --num-kv-blocks). metrics_port and (gateway only) http_port 0 leave
+    /metrics and the HTTP API off."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if http_port and role != "gateway":
+        raise ValueError("only the gateway serves the HTTP API")
     port_flag = "--grpc-port" if role == "gateway" else "--port"
-    return ["splitserve", role, "--host", host, port_flag, str(port), "--registry-url",
-            registry_url, "--registry-namespace", namespace, "--model", model, *extra]
+    argv = ["splitserve", role, "--host", host, port_flag, str(port), "--registry-url",
+            registry_url, "--registry-namespace", namespace, "--model", model]
+    if metrics_port:
+        argv += ["--metrics-port", str(metrics_port)]
+    if http_port:
+        argv += ["--http-port", str(http_port)]
+    return [*argv, *extra]
 
 
 def python_argv(argv: Sequence[str]) -> list[str]:

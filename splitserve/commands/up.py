@@ -25,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("stack")
     g.add_argument("--grpc-port", type=int, default=50051, help="gateway's public gRPC port")
     g.add_argument("--http-port", type=int, default=0,
-                   help="gateway's HTTP port (reserved; not served yet, 0 = off)")
+                   help="gateway's OpenAI-compatible HTTP port (0 = off)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics: the gateway on this port, then the prefill and "
+                        "the decode services on the ports after it, in order (0 = off)")
     g.add_argument("--registry-url", default=None,
                    help="Redis URL of an external registry; unset: start a private redis-server")
     g.add_argument("--registry-namespace", default="splitserve",
@@ -53,21 +56,30 @@ def run(args: argparse.Namespace) -> int:
     common = {"registry_url": args.registry_url, "namespace": args.registry_namespace,
               "host": args.host, "model": engine.model}
     engine_flags = to_argv(engine, skip=("model",))
-    gateway_flags = ["--model-cache-dir", engine.model_cache_dir, "--http-port", str(args.http_port)]
+    gateway_flags = ["--model-cache-dir", engine.model_cache_dir]
     if engine.served_model_name:
         gateway_flags += ["--served-model-name", engine.served_model_name]
+    last_port = args.metrics_port + args.num_prefill + args.num_decode
+    metrics_ports = iter(range(args.metrics_port, last_port + 1) if args.metrics_port else ())
     procs: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        gateway_metrics = next(metrics_ports, 0)
         for role, n in (("prefill", args.num_prefill), ("decode", args.num_decode)):
-            procs += [start_service(service_argv(role, **common, extra=engine_flags))
+            procs += [start_service(service_argv(role, **common, extra=engine_flags,
+                                                 metrics_port=next(metrics_ports, 0)))
                       for _ in range(n)]
-        procs.append(start_service(service_argv("gateway", port=args.grpc_port, **common,
-                                                extra=gateway_flags)))
+        procs.append(start_service(service_argv(
+            "gateway", port=args.grpc_port, **common, metrics_port=gateway_metrics,
+            http_port=args.http_port, extra=gateway_flags)))
         address = f"{args.host}:{args.grpc_port}"
         _wait_ready(address, args.num_prefill, args.num_decode, procs)
+        http = (f"OpenAI-compatible API at http://{args.host}:{args.http_port}/v1; "
+                if args.http_port else "")
+        metrics = (f"/metrics on ports {args.metrics_port}-{last_port} (gateway, prefill, "
+                   "decode); " if args.metrics_port else "")
         print(f"\nsplitserve is up: gateway {address}, {args.num_prefill} prefill, "
-              f"{args.num_decode} decode. Send a first request with\n\n"
+              f"{args.num_decode} decode; {http}{metrics}send a first request with\n\n"
               f"    splitserve generate --gateway {address} \"Write a haiku about the sea.\"\n\n"
               "Ctrl-C stops everything.", flush=True)
         while all(p.poll() is None for p in procs):

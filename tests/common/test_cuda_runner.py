@@ -43,10 +43,7 @@ def _engine(runner_cls, tmp_path, **kw) -> LLMEngine:
                max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128,
                model_cache_dir=str(tmp_path))
     cfg.update(kw)
-    # The engine builds common.engine.ModelRunner; point that name at the runner under test.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common.engine, "ModelRunner", runner_cls)
-        return LLMEngine(EngineConfig(**cfg))
+    return LLMEngine(EngineConfig(**cfg), runner_factory=runner_cls)
 
 
 def _workload(n: int = 7) -> tuple[list[list[int]], list[SamplingParams]]:

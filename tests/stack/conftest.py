@@ -30,13 +30,21 @@ class Stack:
         self.registry = BlockRegistry(self.redis.url, self.namespace)
         self.procs: dict[str, subprocess.Popen] = {}
         self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(n):
-                self.start(f"{role}-{i}", service_argv(
+                name = f"{role}-{i}"
+                self.metrics_ports[name] = free_port()
+                self.start(name, service_argv(
                     role, registry_url=self.redis.url, namespace=self.namespace,
-                    extra=[*ENGINE_FLAGS, "--instance-id", f"{role}-{i}"]))
-        self.gateway_port = free_port()
-        self.start("gateway", self.gateway_argv(self.gateway_port))
+                    metrics_port=self.metrics_ports[name],
+                    extra=[*ENGINE_FLAGS, "--instance-id", name]))
+        self.gateway_port, self.http_port = free_port(), free_port()
+        self.metrics_ports["gateway"] = free_port()
+        self.start("gateway", service_argv(
+            "gateway", registry_url=self.redis.url, namespace=self.namespace,
+            port=self.gateway_port, metrics_port=self.metrics_ports["gateway"],
+            http_port=self.http_port))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gateway_port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
