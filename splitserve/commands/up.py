@@ -9,13 +9,17 @@ on Ctrl-C (or when a service exits).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import signal
 import subprocess
 import sys
 import time
 
+from common.auth import AuthConfig
 from common.config import EngineConfig
 from common.dataclass_cli import to_argv
+from common.tls import TlsConfig
 from splitserve.launch import service_argv, start_service, stop_services
 
 START_TIMEOUT_S = 600.0
@@ -37,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-decode", type=int, default=1, help="decode services to start")
     g.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     EngineConfig.add_cli_args(parser)  # passed on to the prefill and decode services
+    # Every service gets the TLS flags; the gateway's public port never asks for a client
+    # certificate (the API key, passed to the gateway only, authenticates clients).
+    TlsConfig.add_cli_args(parser)
+    AuthConfig.add_cli_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print("--num-prefill and --num-decode must be at least 1", file=sys.stderr)
         return 2
     engine = EngineConfig.from_cli_args(args)
+    tls, auth = TlsConfig.from_cli_args(args), AuthConfig.from_cli_args(args)
     redis = None
     if args.registry_url is None:
         from common.registry import EmbeddedRedis
@@ -55,8 +64,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"model: {engine.model} -> {resolve_model(engine.model, engine.model_cache_dir)}")
     common = {"registry_url": args.registry_url, "namespace": args.registry_namespace,
               "host": args.host, "model": engine.model}
-    engine_flags = to_argv(engine, skip=("model",))
-    gateway_flags = ["--model-cache-dir", engine.model_cache_dir]
+    if engine.cpu_threads == 0 and not engine.device.startswith("cuda"):
+        # Services on one machine share its cores: give each its share (OpenMP threads that
+        # outnumber the cores spin against each other and slow every service down).
+        share = max(1, (os.cpu_count() or 1) // (args.num_prefill + args.num_decode))
+        engine = dataclasses.replace(engine, cpu_threads=share)
+    engine_flags = [*to_argv(engine, skip=("model",)), *tls.to_argv()]
+    # The prefill side never speculates (it samples one token), so it gets no draft model.
+    prefill_flags = to_argv(engine, skip=("model", "speculative_method", "speculative_model",
+                                          "num_speculative_tokens", "prompt_lookup_min",
+                                          "prompt_lookup_max")) + tls.to_argv()
+    gateway_flags = ["--model-cache-dir", engine.model_cache_dir,
+                     *dataclasses.replace(tls, tls_client_auth=False).to_argv(),
+                     *to_argv(auth)]
     if engine.served_model_name:
         gateway_flags += ["--served-model-name", engine.served_model_name]
     last_port = args.metrics_port + args.num_prefill + args.num_decode
@@ -65,15 +85,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         gateway_metrics = next(metrics_ports, 0)
-        for role, n in (("prefill", args.num_prefill), ("decode", args.num_decode)):
-            procs += [start_service(service_argv(role, **common, extra=engine_flags,
+        for role, n, flags in (("prefill", args.num_prefill, prefill_flags),
+                               ("decode", args.num_decode, engine_flags)):
+            procs += [start_service(service_argv(role, **common, extra=flags,
                                                  metrics_port=next(metrics_ports, 0)))
                       for _ in range(n)]
         procs.append(start_service(service_argv(
             "gateway", port=args.grpc_port, **common, metrics_port=gateway_metrics,
             http_port=args.http_port, extra=gateway_flags)))
         address = f"{args.host}:{args.grpc_port}"
-        _wait_ready(address, args.num_prefill, args.num_decode, procs)
+        _wait_ready(address, args.num_prefill, args.num_decode, procs, tls,
+                    auth.client_key())
         http = (f"OpenAI-compatible API at http://{args.host}:{args.http_port}/v1; "
                 if args.http_port else "")
         metrics = (f"/metrics on ports {args.metrics_port}-{last_port} (gateway, prefill, "
@@ -105,19 +127,22 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _wait_ready(address: str, num_prefill: int, num_decode: int,
-                procs: list[subprocess.Popen]) -> None:
+                procs: list[subprocess.Popen], tls: TlsConfig, api_key: str | None) -> None:
     """Until the gateway answers ModelInfo listing every instance."""
     import grpc
 
+    from common.auth import bearer_metadata
+    from common.tls import sync_channel
     from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
     deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError("a service exited during start-up")
             try:
-                info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=1.0)
+                info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=1.0,
+                                      metadata=bearer_metadata(api_key))
                 if (info.num_prefill_instances >= num_prefill
                         and info.num_decode_instances >= num_decode):
                     return

@@ -19,11 +19,12 @@ from splitserve.launch import service_argv, start_service, stop_services
 
 # Small pools: four services and the reference engine share a 2-core, 24 GiB box. Short
 # prefill chunks: an abort takes effect between engine steps.
-ENGINE_FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "128"]
+ENGINE_FLAGS = ["--num-kv-blocks", "512", "--max-num-batched-tokens", "128", "--cpu-threads", "1"]
 
 
 class Stack:
-    def __init__(self, log_dir: Path, num_prefill: int = 2, num_decode: int = 2):
+    def __init__(self, log_dir: Path, num_prefill: int = 2, num_decode: int = 2,
+                 decode_flags: tuple[str, ...] = ()):
         self.log_dir = log_dir
         self.redis = EmbeddedRedis()
         self.namespace = f"test-{uuid.uuid4().hex[:8]}"
@@ -35,10 +36,11 @@ class Stack:
             for i in range(n):
                 name = f"{role}-{i}"
                 self.metrics_ports[name] = free_port()
+                role_flags = decode_flags if role == "decode" else ()
                 self.start(name, service_argv(
                     role, registry_url=self.redis.url, namespace=self.namespace,
                     metrics_port=self.metrics_ports[name],
-                    extra=[*ENGINE_FLAGS, "--instance-id", name]))
+                    extra=[*ENGINE_FLAGS, *role_flags, "--instance-id", name]))
         self.gateway_port, self.http_port = free_port(), free_port()
         self.metrics_ports["gateway"] = free_port()
         self.start("gateway", service_argv(
