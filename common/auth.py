@@ -48,6 +48,14 @@ class AuthConfig:
             raise ValueError(f"--api-key-file: no such file {self.api_key_file!r}")
 
     def keys(self) -> ApiKeys:
+        return ApiKeys(self._read())
+
+    def client_key(self) -> str | None:
+        """The key a client sends (the first one given), or None."""
+        keys = self._read()
+        return keys[0] if keys else None
+
+    def _read(self) -> list[str]:
         keys = [self.api_key.strip()] if self.api_key else []
         if self.api_key_file:
             lines = Path(self.api_key_file).read_text().splitlines()
@@ -55,7 +63,7 @@ class AuthConfig:
             if not from_file:
                 raise ValueError(f"--api-key-file {self.api_key_file} holds no key")
             keys += from_file
-        return ApiKeys(keys)
+        return keys
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -64,6 +72,9 @@ class AuthConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> AuthConfig:
         return from_dataclass_args(cls, args)
+
+
+NO_AUTH = AuthConfig()  # no key: the endpoints are open
 
 
 class ApiKeys:

@@ -31,10 +31,20 @@ log = logging.getLogger("splitserve.grpc")
 
 # KV blocks of long prompts travel in large messages (chunked, but chunks are megabytes).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# While calls are open, each side pings the other every KEEPALIVE_MS and drops the connection if
+# no answer comes within KEEPALIVE_TIMEOUT_MS: a peer that hangs (stopped, or its host gone) fails
+# its calls with UNAVAILABLE in seconds, and the gateway resumes them elsewhere, instead of
+# waiting for the request's deadline. Servers accept pings that often.
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 4000, 4000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # else one minute, whatever the above
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import InvalidRequestError, SamplingParams
 from protos.splitserve.v1 import types_pb2
 
 if TYPE_CHECKING:
@@ -35,13 +35,23 @@ def params_from_pb(pb: types_pb2.SamplingParams, **overrides: object) -> Samplin
 
 
 def params_to_pb(params: SamplingParams) -> types_pb2.SamplingParams:
+    """The message for validated settings; InvalidRequestError for a value its wire type cannot
+    carry (a max_tokens of 2**32 or more, a negative top_k below int32, ...: HTTP clients)."""
     pb = types_pb2.SamplingParams(
-        stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output)
-    for f in _OPTIONAL_FIELDS:
-        value = getattr(params, f)
-        if value is not None:
-            setattr(pb, f, value)
+        ignore_eos=params.ignore_eos, include_stop_str_in_output=params.include_stop_str_in_output)
+    values = {"stop": params.stop, "stop_token_ids": params.stop_token_ids,
+              "min_tokens": params.min_tokens}
+    values.update((f, getattr(params, f)) for f in _OPTIONAL_FIELDS
+                  if getattr(params, f) is not None)
+    for name, value in values.items():
+        try:
+            if isinstance(value, list):
+                getattr(pb, name).extend(value)
+            else:
+                setattr(pb, name, value)
+        except (ValueError, TypeError) as e:
+            shown = "" if isinstance(value, list) else f" ({value})"
+            raise InvalidRequestError(f"{name} is out of range{shown}") from e
     return pb
 
 

@@ -10,13 +10,16 @@ from common.instance import InstanceConfig
 @dataclass(frozen=True, slots=True)
 class DecodeConfig(InstanceConfig):
     pull_timeout_s: float = 30.0
+    lease_renew_s: float = 10.0
 
     HELP = {
         **InstanceConfig.HELP,
         "pull_timeout_s": "longest a KV pull from a prefill service may take",
+        "lease_renew_s": "while pulling a handoff, its lease is set to this long every third "
+                         "of it, so a long pull outlives the prefill side's lease",
     }
 
     def __post_init__(self) -> None:
         InstanceConfig.__post_init__(self)
-        if self.pull_timeout_s <= 0:
-            raise ValueError("--pull-timeout-s must be positive")
+        if self.pull_timeout_s <= 0 or self.lease_renew_s <= 0:
+            raise ValueError("--pull-timeout-s and --lease-renew-s must be positive")

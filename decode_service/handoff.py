@@ -12,6 +12,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import redis
+
 from common.engine_loop import EngineLoop
 from common.kv_transport import KVReceiver, TransferError
 from common.metrics import DecodeMetrics
@@ -27,8 +29,9 @@ class HandoffFailed(Exception):
 
 class HandoffPuller:
     def __init__(self, registry: BlockRegistry, loop: EngineLoop, instance_id: str,
-                 timeout_s: float, metrics: DecodeMetrics):
+                 timeout_s: float, metrics: DecodeMetrics, lease_renew_s: float = 10.0):
         self.registry = registry
+        self.lease_renew_s = lease_renew_s
         self.loop = loop
         self.instance_id = instance_id
         self.receiver = KVReceiver(timeout_s=timeout_s)
@@ -41,7 +44,12 @@ class HandoffPuller:
     async def pull(self, handoff_id: str) -> list[int]:
         """Blocks of this engine's pool now holding the handoff's prompt KV (caller owns them)."""
         start = time.monotonic()
-        desc = await asyncio.to_thread(self.registry.claim_handoff, handoff_id, self.instance_id)
+        try:
+            desc = await asyncio.to_thread(self.registry.claim_handoff, handoff_id,
+                                           self.instance_id)
+        except redis.RedisError as e:
+            self.metrics.handoff_failures("registry").inc()
+            raise HandoffFailed(f"handoff {handoff_id}: registry unreachable ({e})") from e
         if desc is None:
             self.metrics.handoff_failures("gone").inc()
             raise HandoffFailed(f"handoff {handoff_id} is gone or claimed by another service")
@@ -51,12 +59,13 @@ class HandoffPuller:
         pool = self.loop.engine.kv_cache
         transfer = asyncio.get_running_loop().run_in_executor(
             self._executor, self.receiver.pull, desc, pool, blocks)
+        renewal = asyncio.get_running_loop().create_task(self._renew(handoff_id))
         keep = False
         try:
             name = await asyncio.shield(transfer)
+            renewal.cancel()
             self.transports_used[name] = self.transports_used.get(name, 0) + 1
-            if not await asyncio.to_thread(self.registry.complete_handoff, handoff_id,
-                                           self.instance_id):
+            if not await self._complete(handoff_id):
                 self.metrics.handoff_failures("lease_expired").inc()
                 raise HandoffFailed(f"handoff {handoff_id}: the lease ran out during the pull")
             keep = True
@@ -68,11 +77,33 @@ class HandoffPuller:
             self.metrics.handoff_failures("transfer").inc()
             raise HandoffFailed(str(e)) from e
         finally:
+            renewal.cancel()
             self.pending.discard(handoff_id)
             if not keep:
                 # Free only once the transfer thread is done writing into the blocks.
                 transfer.add_done_callback(lambda _: self.loop.call(
                     lambda e: e.free_blocks(blocks)))
+
+    async def _renew(self, handoff_id: str) -> None:
+        """Keep the handoff's lease alive while its KV is being pulled (until cancelled)."""
+        while True:
+            await asyncio.sleep(self.lease_renew_s / 3)
+            try:
+                if not await asyncio.to_thread(self.registry.renew_lease, handoff_id,
+                                               self.lease_renew_s):
+                    return  # gone already: the confirmation will say so
+            except redis.RedisError as e:
+                log.warning("renewing the lease of handoff %s failed: %s", handoff_id, e)
+
+    async def _complete(self, handoff_id: str) -> bool:
+        """Confirm the pull; False when the lease ran out first or the registry cannot say (the
+        pulled KV is then discarded: without a confirmation its blocks may be reused)."""
+        try:
+            return await asyncio.to_thread(self.registry.complete_handoff, handoff_id,
+                                           self.instance_id)
+        except redis.RedisError as e:
+            log.warning("confirming handoff %s failed: %s", handoff_id, e)
+            return False
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -12,6 +12,7 @@ from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.instance import ServiceInstance
 from common.metrics import DecodeMetrics
 from common.registry import BlockRegistry
+from common.tls import PLAINTEXT, TlsConfig
 from decode_service.config import DecodeConfig
 from decode_service.handoff import HandoffPuller
 from decode_service.servicer import DecodeServicer
@@ -20,15 +21,16 @@ from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 log = logging.getLogger("splitserve.decode")
 
 
-async def serve(config: DecodeConfig, engine_config: EngineConfig) -> None:
+async def serve(config: DecodeConfig, engine_config: EngineConfig,
+                tls: TlsConfig = PLAINTEXT) -> None:
     registry = BlockRegistry(config.registry_url, config.registry_namespace)
     registry.ping()  # an unreachable registry fails start-up, before the model loads
     engine = LLMEngine(engine_config)
-    server = GrpcServer(config.host, config.port)
+    server = GrpcServer(config.host, config.port, tls=tls)
     instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
     metrics = DecodeMetrics(engine.model_name, config.slo, instance.engine_stats)
     puller = HandoffPuller(registry, instance.loop, instance.instance_id, config.pull_timeout_s,
-                           metrics)
+                           metrics, config.lease_renew_s)
     server.add(Service(DecodeServicer(instance, puller, metrics),
                        decode_pb2_grpc.add_DecodeServicer_to_server,
                        service_name(decode_pb2, "Decode")))

@@ -31,6 +31,10 @@ class GatewayConfig:
     queued_request_cost_tokens: int = 256
     discovery_interval_s: float = 0.25
     shutdown_grace_s: float = 5.0
+    max_retries: int = 3
+    retry_wait_s: float = 3.0
+    quarantine_s: float = 5.0
+    resume_retention_s: float = 30.0
 
     HELP = {
         "host": "address the gRPC server listens on (0.0.0.0 for every interface)",
@@ -58,6 +62,14 @@ class GatewayConfig:
                                       "an instance, in tokens",
         "discovery_interval_s": "how often the instance list is re-read from the registry",
         "shutdown_grace_s": "on SIGTERM, how long in-flight requests may finish",
+        "max_retries": "failures of a prefill or decode service one request survives: it is "
+                       "retried, or resumed elsewhere with the tokens generated so far",
+        "retry_wait_s": "after a failure, how long to wait for a usable instance (or the "
+                        "registry) before answering UNAVAILABLE",
+        "quarantine_s": "how long an instance whose call failed and that fails a health check "
+                        "gets no requests",
+        "resume_retention_s": "a resumable request keeps running this long without a client, "
+                              "and its output is kept this long after it ends",
     }
 
     def __post_init__(self) -> None:
@@ -73,6 +85,10 @@ class GatewayConfig:
             (self.queued_request_cost_tokens >= 0, "--queued-request-cost-tokens must be >= 0"),
             (self.discovery_interval_s > 0, "--discovery-interval-s must be positive"),
             (self.shutdown_grace_s >= 0, "--shutdown-grace-s must be >= 0"),
+            (self.max_retries >= 0, "--max-retries must be >= 0"),
+            (self.retry_wait_s >= 0 and self.quarantine_s >= 0,
+             "--retry-wait-s and --quarantine-s must be >= 0"),
+            (self.resume_retention_s > 0, "--resume-retention-s must be positive"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,6 +3,8 @@ discovery_interval_s) and one channel per instance address, reused by every requ
 
 Channels stay open after their instance leaves the registry: a service that deregistered at
 shutdown still finishes the streams it has, and one restarted at the same address is reconnected.
+Instances in quarantine (gateway/quarantine.py) are left out of the lists; while the registry is
+unreachable (Redis restarting), the last lists read stand: the services outlive the outage.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import logging
 import time
 
 import grpc
+import redis
 
-from common.grpc_util import insecure_channel
+from common import grpc_util
 from common.registry import BlockRegistry, InstanceInfo
+from common.tls import PLAINTEXT, TlsConfig
+from gateway.quarantine import Quarantine
 from protos.splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.gateway.instances")
@@ -23,9 +28,12 @@ KINDS = ("prefill", "decode")
 
 
 class Instances:
-    def __init__(self, registry: BlockRegistry, interval_s: float):
+    def __init__(self, registry: BlockRegistry, interval_s: float, tls: TlsConfig = PLAINTEXT,
+                 quarantine: Quarantine | None = None):
         self.registry = registry
         self.interval_s = interval_s
+        self.tls = tls
+        self.quarantine = quarantine if quarantine is not None else Quarantine(0.0)
         self._lists: dict[str, list[InstanceInfo]] = {k: [] for k in KINDS}
         self._read_at = -float("inf")
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -33,10 +41,15 @@ class Instances:
         self._decode: dict[str, decode_pb2_grpc.DecodeStub] = {}
 
     async def get(self, kind: str) -> list[InstanceInfo]:
-        """Live instances of one kind; re-read now if the list is empty or stale."""
+        """Live instances of one kind, not in quarantine; re-read now if the list is empty or
+        stale (if the registry does not answer, the last list read, unless it is empty)."""
         if not self._lists[kind] or time.monotonic() - self._read_at > 2 * self.interval_s:
-            await self.refresh()
-        return self._lists[kind]
+            try:
+                await self.refresh()
+            except redis.RedisError:
+                if not self._lists[kind]:
+                    raise
+        return self.quarantine.filter(self._lists[kind])
 
     async def refresh(self) -> None:
         lists = await asyncio.to_thread(
@@ -65,7 +78,7 @@ class Instances:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = insecure_channel(address)
+            self._channels[address] = grpc_util.channel(address, self.tls)
         return self._channels[address]
 
     async def close(self) -> None:

@@ -22,6 +22,7 @@ UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -67,9 +68,9 @@ class MigrationPolicy:
 
 @dataclass(slots=True)
 class MigrationCounters:
-    migrations: int = 0     # requests resumed after tokens had reached the client
+    migrations: int = 0     # resumptions elsewhere after tokens had reached the client
     retries: int = 0        # attempts started again before any token went out
-    gave_up: int = 0        # failures answered with an error after the retries ran out
+    gave_up: int = 0        # requests answered UNAVAILABLE after a failure
 
 
 class Delivery:
@@ -150,7 +151,7 @@ class Delivery:
                 out = generation_pb2.GenerateStreamResponse(
                     request_id=msg.request_id, token_ids=tokens[:i + 1], text=text,
                     finish_reason=types_pb2.FINISH_REASON_STOP, usage=msg.usage,
-                    timings=msg.timings)
+                    timings=msg.timings, logprobs=msg.logprobs[:i + 1])
                 out.timings.total_ms = ms(time.monotonic() - self.arrival)
                 return out
         out = generation_pb2.GenerateStreamResponse()
@@ -164,6 +165,7 @@ class Delivery:
         msg.usage.prompt_tokens = prompt
         msg.usage.completion_tokens = len(self.token_ids)
         msg.timings.ttft_ms = self.ttft_ms
+        msg.timings.num_migrations = self.migrations
 
 
 class Migrator:
@@ -196,16 +198,16 @@ class Migrator:
                     raise
                 failures += 1
                 failed = handle.decode or handle.prefill
-                log.warning("request %s: %s failed after %d tokens (%s); attempt %d of %d",
-                            req.request_id, failed.instance_id if failed else "routing",
-                            len(delivery.token_ids), _describe(exc), failures + 1,
-                            self.policy.max_retries + 1)
+                log.warning("request %s: %s failed after %d tokens (%s); failure %d of %d "
+                            "allowed", req.request_id, failed.instance_id if failed else "routing",
+                            len(delivery.token_ids), _describe(exc), failures,
+                            self.policy.max_retries)
                 if failed is not None:
                     await self._probe(failed)
                 if failures > self.policy.max_retries:
                     self.counters.gave_up += 1
                     raise _unavailable(exc, f"giving up after {failures} failed attempts") from exc
-                if not await self._wait_for_instances(delivery, deadline):
+                if not await self._wait_for_instances(delivery, handle, deadline):
                     self.counters.gave_up += 1
                     raise _unavailable(exc, "no instance is left to resume the request") from exc
             if delivery.token_ids:
@@ -231,20 +233,22 @@ class Migrator:
                     self.quarantine.duration_s)
         self.quarantine.add(info.instance_id)
 
-    async def _wait_for_instances(self, delivery: Delivery, deadline: float) -> bool:
+    async def _wait_for_instances(self, delivery: Delivery, handle: Inflight,
+                                  deadline: float) -> bool:
         """Until a decode instance (and a prefill one, unless the decode side will prefill) is
-        registered and not in quarantine; False after retry_wait_s or at the deadline."""
+        registered and not in quarantine; False after retry_wait_s or at the deadline. An
+        aborted request stops waiting (the next attempt ends it with an abort message)."""
         kinds = ["decode"]
         if (len(delivery.req.prompt_token_ids) + len(delivery.token_ids)
                 > self.relay.config.local_prefill_max_tokens):
             kinds.append("prefill")
         limit = min(deadline, time.monotonic() + self.policy.retry_wait_s)
         pause = self.policy.backoff_s
-        while True:
-            try:
+        while not handle.aborted:
+            with contextlib.suppress(redis.RedisError):  # get() answers with the last lists
                 await self.instances.refresh()
-                lists = [self.quarantine.filter(await self.instances.get(k)) for k in kinds]
-                if all(lists):
+            try:
+                if all([await self.instances.get(k) for k in kinds]):  # quarantine left out
                     return True
             except redis.RedisError as e:
                 log.warning("registry unreachable while waiting for instances: %s", e)
@@ -252,6 +256,7 @@ class Migrator:
                 return False
             await asyncio.sleep(pause)
             pause = min(2 * pause, MAX_PAUSE_S)
+        return True
 
 
 def _retryable(exc: BaseException) -> bool:

@@ -19,6 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 
 from common.block_manager import hash_prefix_blocks
 from common.grpc_util import ServiceError
@@ -197,7 +198,10 @@ class Relay:
             hashes = hash_prefix_blocks(prompt, instances[0].block_size)
             if hashes:
                 ids = [i.instance_id for i in instances]
-                cached = await asyncio.to_thread(self.registry.match_prefix, ids, hashes)
+                try:
+                    cached = await asyncio.to_thread(self.registry.match_prefix, ids, hashes)
+                except redis.RedisError as e:  # route on load alone while Redis is away
+                    log.warning("prefix lookup failed, routing on load: %s", e)
         try:
             return self.router.pick_prefill(instances, cached)
         except NoInstanceError as e:

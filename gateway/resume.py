@@ -99,7 +99,8 @@ class ResumableStreams:
                                "s ago)")
         i = entry.first_message_at(num_tokens_received)
         entry.followers += 1
-        entry.expires_at = None
+        if not entry.done:  # a finished log's window runs from its end, whoever reads it
+            entry.expires_at = None
         try:
             while True:
                 async with entry.changed:
@@ -115,7 +116,7 @@ class ResumableStreams:
                 i += len(batch)
         finally:
             entry.followers -= 1
-            if entry.followers == 0:
+            if entry.followers == 0 and entry.expires_at is None:
                 entry.expires_at = self._clock() + self.retention_s
 
     async def _pump(self, entry: StreamLog, source: AsyncIterator[Message]) -> None:

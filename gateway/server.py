@@ -7,17 +7,22 @@ import asyncio
 import logging
 import time
 
+from common.auth import NO_AUTH, ApiKeyInterceptor, ApiKeyMiddleware, AuthConfig
 from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.metrics import SLO, GatewayMetrics
 from common.registry import BlockRegistry
+from common.tls import PLAINTEXT, TlsConfig
 from common.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.http_api import OpenAIApi, create_app
 from gateway.http_server import HttpServer
 from gateway.instances import Instances
+from gateway.migration import MigrationPolicy, Migrator
 from gateway.model_files import wait_for_model_files
+from gateway.quarantine import Quarantine
 from gateway.relay import Relay
+from gateway.resume import ResumableStreams
 from gateway.router import Router, RouterConfig
 from gateway.servicer import GenerationServicer
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -35,25 +40,35 @@ def build_frontend(config: GatewayConfig) -> tuple[Frontend, tuple[int, ...]]:
     return frontend, tokenizer.eos_token_ids
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
+                auth: AuthConfig = NO_AUTH) -> None:
     registry = BlockRegistry(config.registry_url, config.registry_namespace)
     registry.ping()
+    keys = auth.keys()
     frontend, eos_token_ids = await asyncio.to_thread(build_frontend, config)
-    instances = Instances(registry, config.discovery_interval_s)
+    quarantine = Quarantine(config.quarantine_s)
+    instances = Instances(registry, config.discovery_interval_s, tls, quarantine)
     router = Router(RouterConfig(config.prefix_token_weight, config.queued_request_cost_tokens))
     relay = Relay(config, registry, instances, router)
+    migrator = Migrator(relay, instances, quarantine, frontend.tokenizer,
+                        MigrationPolicy(config.max_retries, config.retry_wait_s), tls)
+    resumable = ResumableStreams(config.resume_retention_s)
     # Scraped only once serving, when `servicer` exists.
     metrics = GatewayMetrics(frontend.model_name,
                              SLO(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000),
                              lambda: len(servicer.inflight))
-    servicer = GenerationServicer(config, frontend, relay, instances, eos_token_ids, metrics)
-    server = GrpcServer(config.host, config.grpc_port)
+    servicer = GenerationServicer(config, frontend, migrator, instances, eos_token_ids, metrics,
+                                  resumable)
+    server = GrpcServer(config.host, config.grpc_port, tls=tls,
+                        interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     server.add(Service(servicer, generation_pb2_grpc.add_GenerationServicer_to_server,
                        service_name(generation_pb2, "Generation")))
     await server.start()
     http = None
     if config.http_port:
         app = create_app(OpenAIApi(frontend, servicer.stream), metrics.exposition)
+        if keys.enabled:
+            app.add_middleware(ApiKeyMiddleware, keys=keys)
         http = HttpServer(app, config.host, config.http_port)
         await http.start()
     metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port \
@@ -71,6 +86,7 @@ async def serve(config: GatewayConfig) -> None:
         if http is not None:
             stops.append(http.stop(config.shutdown_grace_s))
         await asyncio.gather(*stops)
+        await resumable.close()
         if metrics_server is not None:
             metrics_server.close()
         discovery.cancel()

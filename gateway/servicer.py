@@ -1,7 +1,9 @@
-"""The public Generation service: validation and backpressure here, the rest in Relay.
+"""The public Generation service: validation and backpressure here, the rest in Relay (through
+Migrator, which resumes a request elsewhere when a service fails).
 
 `stream` is the one way into the stack: GenerateStream calls it, and so does the HTTP API
-(gateway/http_api.py); it also records what clients see in the gateway's metrics.
+(gateway/http_api.py); it also records what clients see in the gateway's metrics. A resumable
+gRPC request runs `stream` in the background and its clients follow it (gateway/resume.py).
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ from common.proto_convert import FINISH_FROM_PB
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.instances import Instances
-from gateway.relay import Inflight, Relay
+from gateway.migration import Migrator
+from gateway.relay import Inflight
+from gateway.resume import ResumableStreams
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 
 STATS_TIMEOUT_S = 2.0
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, frontend: Frontend, relay: Relay,
-                 instances: Instances, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics):
+    def __init__(self, config: GatewayConfig, frontend: Frontend, migrator: Migrator,
+                 instances: Instances, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics,
+                 resumable: ResumableStreams):
         self.config = config
         self.frontend = frontend
-        self.relay = relay
+        self.migrator = migrator
+        self.resumable = resumable
         self.instances = instances
         self.eos_token_ids = eos_token_ids
         self.inflight: dict[str, Inflight] = {}
@@ -40,8 +46,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request: generation_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext,
                              ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        async for msg in self.stream(request, context.time_remaining()):
-            yield msg
+        async with contextlib.aclosing(self._client_stream(request, context)) as pieces:
+            async for msg in pieces:
+                yield msg
+
+    def _client_stream(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext,
+                       ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """What this call streams: a new request, a new resumable one, or a resumed one."""
+        if request.HasField("resume"):
+            return self.resumable.follow(request.request_id, request.resume.num_tokens_received)
+        if not request.resumable:
+            return self.stream(request, context.time_remaining())
+        if not request.request_id:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "a resumable request needs a request_id to reconnect with")
+        self.resumable.open(request.request_id, self.stream(request, context.time_remaining()))
+        return self.resumable.follow(request.request_id)
 
     async def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float | None,
                      ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
@@ -79,7 +100,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.inflight[req.request_id] = handle
         deadline = arrival + (self.config.request_timeout_s if timeout_s is None else timeout_s)
         try:
-            async with contextlib.aclosing(self.relay.run(req, handle, arrival, deadline)) as run:
+            async with contextlib.aclosing(
+                    self.migrator.run(req, handle, arrival, deadline)) as run:
                 async for msg in run:
                     yield msg
         finally:

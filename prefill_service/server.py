@@ -14,6 +14,8 @@ from common.instance import ServiceInstance
 from common.kv_transport import KVSource, KVTransferServicer, SharedMemoryPool
 from common.metrics import PrefillMetrics
 from common.registry import BlockRegistry
+from common.shm_sweep import sweep_stale_pools
+from common.tls import PLAINTEXT, TlsConfig
 from prefill_service.config import PrefillConfig
 from prefill_service.holds import HandoffHolds
 from prefill_service.prefix_sync import PrefixSync
@@ -28,12 +30,16 @@ from protos.splitserve.v1 import (
 log = logging.getLogger("splitserve.prefill")
 
 
-async def serve(config: PrefillConfig, engine_config: EngineConfig) -> None:
+async def serve(config: PrefillConfig, engine_config: EngineConfig,
+                tls: TlsConfig = PLAINTEXT) -> None:
     registry = BlockRegistry(config.registry_url, config.registry_namespace)
     registry.ping()  # an unreachable registry fails start-up, before the model loads
-    shm = SharedMemoryPool() if resolve_device(engine_config.device).type == "cpu" else None
+    shm = None
+    if resolve_device(engine_config.device).type == "cpu":
+        sweep_stale_pools()  # pools left by killed prefill services hold RAM until removed
+        shm = SharedMemoryPool()
     engine = LLMEngine(engine_config, kv_cache_allocator=shm)
-    server = GrpcServer(config.host, config.port)
+    server = GrpcServer(config.host, config.port, tls=tls)
     instance = ServiceInstance("prefill", config, engine, registry, config.address(server.port))
     source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
                       address=instance.address, shm=shm)

@@ -108,6 +108,11 @@ class Cluster:
         proc.wait()
         return proc.pid
 
+    def freeze(self, slot: str) -> int:
+        """SIGSTOP the slot's process (a hang: its sockets stay open, nothing answers)."""
+        self.procs[slot].send_signal(signal.SIGSTOP)
+        return self.procs[slot].pid
+
     def kill_redis(self) -> None:
         self.redis.kill()
 

@@ -7,6 +7,8 @@ import sys
 
 import grpc
 
+from common.auth import AuthConfig, bearer_metadata
+from common.tls import TlsConfig, sync_channel
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 
 
@@ -24,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="request deadline")
     parser.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
                         help="print usage and per-stage timings to stderr at the end")
+    TlsConfig.add_cli_args(parser)  # --tls-ca: dial a gateway that serves TLS
+    AuthConfig.add_cli_args(parser)  # the key to send
 
 
 def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
@@ -40,10 +44,12 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 
 def run(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.gateway) as channel:
+    metadata = bearer_metadata(AuthConfig.from_cli_args(args).client_key())
+    with sync_channel(args.gateway, TlsConfig.from_cli_args(args)) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            for msg in stub.GenerateStream(build_request(args), timeout=args.timeout_s):
+            for msg in stub.GenerateStream(build_request(args), timeout=args.timeout_s,
+                                           metadata=metadata):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:

@@ -33,6 +33,7 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     finish_reason: int = 0
     code: grpc.StatusCode | None = None  # None: the stream ended normally
+    migrations: int = 0                  # times the gateway resumed it elsewhere
     details: str = ""
     seconds: float = 0.0
 
@@ -78,6 +79,7 @@ class Load:
                 self.receiving[spec.request_id] = len(out.tokens)
                 if msg.finish_reason:
                     out.finish_reason = msg.finish_reason
+                    out.migrations = msg.timings.num_migrations
         except grpc.RpcError as e:
             out.code, out.details = e.code(), e.details()
         out.seconds = time.monotonic() - start

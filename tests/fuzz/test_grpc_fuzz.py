@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "dummy:tiny-llama"
 VOCAB, CONTEXT, MAX_STOPS = 512, 2048, 64
 ENGINE_FLAGS = ["--device", "cpu", "--num-kv-blocks", "256", "--max-num-batched-tokens", "1024"]
-FUZZ = settings(max_examples=60, deadline=None,
+FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 OK, BAD = "ok", grpc.StatusCode.INVALID_ARGUMENT

@@ -3,12 +3,21 @@ what gets through and what is refused, with the status each refusal gets."""
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import urllib.error
+import urllib.request
+
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import MISSING, WRONG, bearer_metadata
+from common.instance import InstanceConfig
+from common.registry.embedded import free_port
 from common.tls import PLAINTEXT, TlsConfig, sync_channel
+from gateway.config import GatewayConfig
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2_grpc, types_pb2
 from tests.certs import make_ca, make_leaf
 from tests.cluster import Cluster
@@ -29,6 +38,7 @@ def secure(tmp_path_factory):
     leaves = {name: make_leaf(d, name, ca)
               for name in ("prefill", "decode", "gateway", "operator")}
     (d / "keys").write_text(f"# gateway keys\n{KEY}\n")
+    http_port = free_port()
 
     def flags(name: str, client_auth: bool) -> list[str]:
         return leaves[name].tls(ca, client_auth=client_auth).to_argv()
@@ -38,11 +48,13 @@ def secure(tmp_path_factory):
         engine_flags=ENGINE_FLAGS, prefill_flags=flags("prefill", True),
         decode_flags=flags("decode", True),
         # The public port serves TLS without client certificates: the API key authenticates.
-        gateway_flags=[*flags("gateway", False), "--api-key-file", str(d / "keys")],
+        gateway_flags=[*flags("gateway", False), "--api-key-file", str(d / "keys"),
+                       "--http-port", str(http_port)],
         client_tls=TlsConfig(tls_ca=str(ca.cert_path)),
         internal_tls=leaves["operator"].tls(ca), api_key=KEY)
     try:
         cluster.wait_ready(timeout_s=120)
+        cluster.http_port = http_port
         yield cluster, ca, d
     finally:
         cluster.close()
@@ -93,3 +105,43 @@ def test_plaintext_and_unverified_clients_are_refused(secure):
             prefill_pb2_grpc.PrefillStub(channel).Stats(types_pb2.StatsRequest(), timeout=3)
         assert err.value.code() in (grpc.StatusCode.UNAVAILABLE,
                                     grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_http_api_key(secure):
+    cluster, _, _ = secure
+    url = f"http://127.0.0.1:{cluster.http_port}"
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3}).encode()
+
+    def post(headers: dict[str, str]) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
+                                     headers={"content-type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    assert post({}) == (401, {"error": {"message": MISSING, "type": "authentication_error",
+                                        "param": None, "code": 401}})
+    assert post({"authorization": "Bearer nope"})[0] == 401
+    status, answer = post({"authorization": f"Bearer {KEY}"})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:  # probes need no key
+        assert r.status == 200
+
+
+def test_everything_listens_on_loopback_only(secure):
+    cluster, _, _ = secure
+    assert InstanceConfig().host == GatewayConfig().host == "127.0.0.1"
+    pids = [p.pid for p in cluster.procs.values()] + [cluster.redis.pid]
+    listening = [(pid, c.laddr.ip) for pid in pids
+                 for c in psutil.Process(pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert {pid for pid, _ in listening} == set(pids)
+
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip)
+        mapped = getattr(address, "ipv4_mapped", None)  # gRPC's ::ffff:127.0.0.1
+        return (mapped or address).is_loopback
+
+    assert all(loopback(ip) for _, ip in listening), listening

@@ -41,7 +41,9 @@ def test_model_services_scale_and_reserve_a_gpu(services, role):
 
 def test_redis_and_public_port(services):
     assert set(services) == {"redis", "prometheus", *ROLES}
-    assert services["gateway"]["ports"] == ["50051:50051", "8000:8000"]
+    # Published on the host's loopback only (issue 7: nothing listens beyond it by default).
+    assert services["gateway"]["ports"] == ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"]
+    assert services["prometheus"]["ports"] == ["127.0.0.1:9090:9090"]
 
 
 def test_prometheus_scrapes_every_role(services):
