@@ -140,14 +140,12 @@ def completion_logprobs(tokens: list[str], logprobs: list[Any],
     }
 
 
-def completion_body(*, request_id: str, model: str, text: str, finish_reason: str | None,
-                    prompt_token_ids: list[int], output_token_ids: list[int],
-                    cached_tokens: int, return_token_ids: bool,
-                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
-                              "finish_reason": finish_reason}
-    body: dict[str, Any] = {"id": request_id, "object": "text_completion",
-                            "created": int(time.time()), "model": model, "choices": [choice],
+def _response_body(object_: str, choice: dict[str, Any], *, request_id: str, model: str,
+                   prompt_token_ids: list[int], output_token_ids: list[int], cached_tokens: int,
+                   return_token_ids: bool) -> dict[str, Any]:
+    """The envelope both endpoints share: id, object, usage and vLLM's token-id extension."""
+    body: dict[str, Any] = {"id": request_id, "object": object_, "created": int(time.time()),
+                            "model": model, "choices": [choice],
                             "usage": usage(len(prompt_token_ids), len(output_token_ids),
                                            cached_tokens)}
     if return_token_ids:
@@ -156,19 +154,17 @@ def completion_body(*, request_id: str, model: str, text: str, finish_reason: st
     return body
 
 
-def chat_body(*, request_id: str, model: str, text: str, finish_reason: str | None,
-              prompt_token_ids: list[int], output_token_ids: list[int], cached_tokens: int,
-              return_token_ids: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "logprobs": logprobs, "finish_reason": finish_reason}
-    body: dict[str, Any] = {"id": request_id, "object": "chat.completion",
-                            "created": int(time.time()), "model": model, "choices": [choice],
-                            "usage": usage(len(prompt_token_ids), len(output_token_ids),
-                                           cached_tokens)}
-    if return_token_ids:
-        choice["token_ids"] = list(output_token_ids)
-        body["prompt_token_ids"] = list(prompt_token_ids)
-    return body
+def completion_body(*, text: str, finish_reason: str | None,
+                    logprobs: dict[str, Any] | None = None, **envelope: Any) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _response_body("text_completion", choice, **envelope)
+
+
+def chat_body(*, text: str, finish_reason: str | None,
+              logprobs: dict[str, Any] | None = None, **envelope: Any) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": logprobs, "finish_reason": finish_reason}
+    return _response_body("chat.completion", choice, **envelope)
 
 
 def chat_logprobs(tokens: list[str], logprobs: list[Any], top_tokens: list[list[str]]) -> dict:
