@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from common.sampling_params import SamplingParams
 from common.sequence import Sequence
 
 
@@ -79,22 +80,8 @@ class Sampler:
         return tokens
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [seq.params for seq in seqs]
+        probs = processed_probs(logits, [seq.params for seq in seqs])
         vocab = logits.shape[1]
-        settings = _to_device(
-            [[p.temperature, p.min_p, float(p.top_k if p.top_k > 0 else vocab), p.top_p]
-             for p in params], torch.float32, logits.device)
-        logits = logits / settings[:, 0:1]
-        if any(p.min_p > 0.0 for p in params):
-            probs = logits.softmax(dim=-1)
-            floor = settings[:, 1:2] * probs.amax(dim=-1, keepdim=True)
-            logits = logits.masked_fill(probs < floor, float("-inf"))
-        top_k = settings[:, 2:3].long()
-        if any(p.top_p < 1.0 for p in params):
-            logits = _top_k_top_p(logits, top_k, settings[:, 3:4])
-        elif any(p.top_k > 0 for p in params):
-            logits = _top_k(logits, top_k, max(min(p.top_k, vocab) for p in params))
-        probs = logits.softmax(dim=-1)
         return probs.div_(self._exponential_noise(seqs, vocab, logits.device)).argmax(dim=-1)
 
     def _exponential_noise(self, seqs: list[Sequence], vocab: int,
@@ -215,3 +202,25 @@ def _collect(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> S
         top = tuple((int(t), v) for t, v in zip(row[2:2 + k], row[2 + n:2 + n + k], strict=True))
         out[i] = TokenLogprobs(int(row[0]), row[1], top)
     return SamplerOutput([int(row[0]) for row in host], out)
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a row is sampled from: logits [n, vocab] float32 (after min_tokens
+    masking and penalties), row i with params[i] (temperature > 0) -> [n, vocab] probabilities.
+    Temperature, then min-p, then top-k / top-p. Speculative verification judges drafts against
+    exactly this p."""
+    vocab = logits.shape[1]
+    settings = _to_device(
+        [[p.temperature, p.min_p, float(p.top_k if p.top_k > 0 else vocab), p.top_p]
+         for p in params], torch.float32, logits.device)
+    logits = logits / settings[:, 0:1]
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        floor = settings[:, 1:2] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    top_k = settings[:, 2:3].long()
+    if any(p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, top_k, settings[:, 3:4])
+    elif any(p.top_k > 0 for p in params):
+        logits = _top_k(logits, top_k, max(min(p.top_k, vocab) for p in params))
+    return logits.softmax(dim=-1)

@@ -32,9 +32,8 @@ from common.models.attention import AttentionBackend
 from common.models.llama import LlamaModel
 from common.models.loader import load_model
 from common.models.model_config import ModelConfig
-from common.sampler import _to_device
+from common.sampler import _to_device, processed_probs
 from common.sequence import Sequence
-from common.spec_decode.probs import processed_probs
 from common.spec_decode.proposer import Draft, Proposer
 
 

@@ -31,9 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-from common.sampler import Sampler, _mask_stop_tokens, _to_device
+from common.sampler import Sampler, _mask_stop_tokens, _to_device, processed_probs
 from common.sequence import Sequence
-from common.spec_decode.probs import processed_probs
 
 
 class VerifyOutput(NamedTuple):

@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 
-from common.sampler import Sampler
+from common.sampler import Sampler, processed_probs
 from common.sampling_params import SamplingParams
 from common.sequence import Sequence
-from common.spec_decode.probs import processed_probs
 from common.spec_decode.rejection import RejectionSampler
 from tests.common.spec_decode.stats import fits
 
