@@ -18,6 +18,7 @@ from common.engine_loop import EngineLoop
 from common.kv_transport import KVReceiver, TransferError
 from common.metrics import DecodeMetrics
 from common.registry import BlockRegistry
+from common.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger("splitserve.decode.handoff")
 
@@ -29,12 +30,14 @@ class HandoffFailed(Exception):
 
 class HandoffPuller:
     def __init__(self, registry: BlockRegistry, loop: EngineLoop, instance_id: str,
-                 timeout_s: float, metrics: DecodeMetrics, lease_renew_s: float = 10.0):
+                 timeout_s: float, metrics: DecodeMetrics, lease_renew_s: float = 10.0,
+                 tls: TlsConfig = PLAINTEXT):
+        """tls: this service's TlsConfig; grpc pulls dial prefill services with it."""
         self.registry = registry
         self.lease_renew_s = lease_renew_s
         self.loop = loop
         self.instance_id = instance_id
-        self.receiver = KVReceiver(timeout_s=timeout_s)
+        self.receiver = KVReceiver(timeout_s=timeout_s, tls=tls)
         # Transports keep per-source state and are used by one thread at a time.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self.pending: set[str] = set()

@@ -30,7 +30,7 @@ async def serve(config: DecodeConfig, engine_config: EngineConfig,
     instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
     metrics = DecodeMetrics(engine.model_name, config.slo, instance.engine_stats)
     puller = HandoffPuller(registry, instance.loop, instance.instance_id, config.pull_timeout_s,
-                           metrics, config.lease_renew_s)
+                           metrics, config.lease_renew_s, tls=tls)
     server.add(Service(DecodeServicer(instance, puller, metrics),
                        decode_pb2_grpc.add_DecodeServicer_to_server,
                        service_name(decode_pb2, "Decode")))

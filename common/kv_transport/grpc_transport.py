@@ -4,6 +4,13 @@ chunks into a host buffer, then copies them into its pool.
 
 KVTransferServicer is a grpc.aio servicer (the services run grpc.aio servers); the client side is
 synchronous, for a worker thread, with one deadline over the whole stream.
+
+TLS: the servicer runs on the prefill service's own gRPC server, so it serves TLS (or mTLS) when
+that server does. GrpcTransport dials with the receiving process's TlsConfig (common/tls.py): a
+secure channel, presenting its certificate to a server that asks for one, when TLS is configured.
+A mismatch (TLS against a plaintext source, a source certificate the CA does not verify, no
+client certificate for an mTLS source) fails the handshake: the pull ends in a TransferError
+naming UNAVAILABLE, at once, and never waits for its deadline.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from common.kv_transport.base import KVTransport, TransferError
 from common.kv_transport.blocks import copy_blocks, dtype_from_name, dtype_name
 from common.registry.records import HandoffDescriptor
+from common.tls import PLAINTEXT, TlsConfig, sync_channel
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -68,17 +76,22 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 class GrpcTransport(KVTransport):
     name = "grpc"
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tls: TlsConfig = PLAINTEXT):
+        """tls: how sources are dialled (this process's TlsConfig; PLAINTEXT: insecure)."""
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        self.tls = tls
         self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVTransferStub]] = {}
 
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
         if address not in self._channels:
             limit = self.chunk_bytes + (1 << 20)
-            channel = grpc.insecure_channel(address, options=[
-                ("grpc.max_receive_message_length", limit)])
+            try:
+                channel = sync_channel(address, self.tls,
+                                       options=[("grpc.max_receive_message_length", limit)])
+            except OSError as e:  # a TLS file went away since start-up
+                raise TransferError(f"cannot dial {address} over TLS: {e}") from e
             self._channels[address] = (channel, kv_transfer_pb2_grpc.KVTransferStub(channel))
         return self._channels[address][1]
 
@@ -93,7 +106,8 @@ class GrpcTransport(KVTransport):
         request = kv_transfer_pb2.PullBlocksRequest(
             request_id=desc.request_id, block_ids=desc.block_ids, max_chunk_bytes=self.chunk_bytes)
         received = 0
-        call = self._stub(info["address"]).PullBlocks(request, timeout=timeout_s)
+        address = info["address"]
+        call = self._stub(address).PullBlocks(request, timeout=timeout_s)
         try:
             for chunk in call:
                 if received == 0 and (list(chunk.shape) != shape or chunk.dtype != desc.dtype
@@ -107,7 +121,8 @@ class GrpcTransport(KVTransport):
                 view[received:received + size] = chunk.data
                 received += size
         except grpc.RpcError as e:
-            raise TransferError(f"PullBlocks from {info['address']} failed: "
+            mode = "TLS" if self.tls.dials_tls else "plaintext"
+            raise TransferError(f"PullBlocks from {address} over {mode} failed: "
                                 f"{e.code().name}: {e.details()}") from e
         finally:
             call.cancel()  # no-op once the stream ended; stops the server after an error here

@@ -13,14 +13,18 @@ from common.kv_transport.local import LocalTransport
 from common.kv_transport.locality import host_id, process_id
 from common.kv_transport.shm import ShmTransport
 from common.registry.records import HandoffDescriptor
+from common.tls import PLAINTEXT, TlsConfig
 
 TRANSPORTS: dict[str, type[KVTransport]] = {
     t.name: t for t in (LocalTransport, ShmTransport, CudaIpcTransport, GrpcTransport)}
 
 
-def make_transport(name: str) -> KVTransport:
+def make_transport(name: str, tls: TlsConfig = PLAINTEXT) -> KVTransport:
+    """A new transport by name; tls is how grpc dials sources (the others stay on this host)."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {name!r}; known: {sorted(TRANSPORTS)}")
+    if name == GrpcTransport.name:
+        return GrpcTransport(tls=tls)
     return TRANSPORTS[name]()
 
 
@@ -49,16 +53,19 @@ def select_transport(desc: HandoffDescriptor, receiver_host_id: str,
 
 class KVReceiver:
     """Pulls handoffs into a pool over whichever transport suits each source (one transport
-    object per name, created on first use, keeping its per-source state)."""
+    object per name, created on first use, keeping its per-source state). tls: the receiving
+    process's TlsConfig, with which grpc dials sources that serve KVTransfer over TLS."""
 
-    def __init__(self, host: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, host: str | None = None, timeout_s: float = 30.0,
+                 tls: TlsConfig = PLAINTEXT):
         self.host = host if host is not None else host_id()
         self.timeout_s = timeout_s
+        self.tls = tls
         self._transports: dict[str, KVTransport] = {}
 
     def transport(self, name: str) -> KVTransport:
         if name not in self._transports:
-            self._transports[name] = make_transport(name)
+            self._transports[name] = make_transport(name, self.tls)
         return self._transports[name]
 
     def pull(self, desc: HandoffDescriptor, dst_pool: torch.Tensor,
