@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from common.config import EngineConfig
-from common.dataclass_cli import add_dataclass_args, from_dataclass_args
-from common.tls import TlsConfig
 from decode_service.config import DecodeConfig
 from splitserve.commands.logs import setup_logging
+from splitserve.commands.service import add_service_arguments, run_service
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_args(DecodeConfig, parser, "decode service")
-    EngineConfig.add_cli_args(parser)
-    TlsConfig.add_cli_args(parser)
+    add_service_arguments(parser, DecodeConfig, "decode service")
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging("decode")
-    from decode_service.server import serve
-    asyncio.run(serve(from_dataclass_args(DecodeConfig, args), EngineConfig.from_cli_args(args),
-                      TlsConfig.from_cli_args(args)))
-    return 0
+    from decode_service.server import serve  # imports torch and the engine: after logging
+    return run_service(serve, DecodeConfig, args)

@@ -1,0 +1,32 @@
+"""What `splitserve prefill` and `splitserve decode` share: a model service's flags (its own
+config's, the engine's, TLS) and running it until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from common.config import EngineConfig
+from common.dataclass_cli import add_dataclass_args, from_dataclass_args
+from common.tls import TlsConfig
+
+C = TypeVar("C")  # the service's config dataclass (PrefillConfig, DecodeConfig)
+
+Serve = Callable[[C, EngineConfig, TlsConfig], Coroutine[Any, Any, None]]
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, config_cls: type[C],
+                          title: str) -> None:
+    """The service's own flags (under `title`), then the engine's, then TLS."""
+    add_dataclass_args(config_cls, parser, title)
+    EngineConfig.add_cli_args(parser)
+    TlsConfig.add_cli_args(parser)
+
+
+def run_service(serve: Serve[C], config_cls: type[C], args: argparse.Namespace) -> int:
+    """serve(config, engine config, TLS) from the flags, until the service stops."""
+    asyncio.run(serve(from_dataclass_args(config_cls, args), EngineConfig.from_cli_args(args),
+                      TlsConfig.from_cli_args(args)))
+    return 0
