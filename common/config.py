@@ -34,6 +34,7 @@ class EngineConfig:
     num_speculative_tokens: int = 6
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    overlap_scheduling: str = "auto"    # auto -> on for CUDA, off on CPU
 
     HELP = {
         "model": "model: a HF directory, a .gguf file, SmolLM2-135M-Instruct, or dummy:<shape>",
@@ -61,6 +62,8 @@ class EngineConfig:
         "num_speculative_tokens": "draft tokens proposed per sequence and step (k)",
         "prompt_lookup_min": "ngram: shortest suffix n-gram looked up in the prompt and output",
         "prompt_lookup_max": "ngram: longest suffix n-gram looked up (tried first)",
+        "overlap_scheduling": "schedule and prepare step N+1 while step N runs on the device: "
+                              "auto (on for CUDA), on or off",
     }
 
     def __post_init__(self) -> None:
@@ -84,6 +87,9 @@ class EngineConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1, "
                              f"got {self.num_speculative_tokens}")
+        if self.overlap_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_scheduling must be auto, on or off, "
+                             f"got {self.overlap_scheduling!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")

@@ -8,7 +8,9 @@ with pinned host twins, and captures one CUDA graph per decode batch bucket. A s
     decode-only and fits a bucket: pad the batch to the bucket and replay its graph
                                    (padding rows: token 0, position 0, slot -1, context 0)
     otherwise (prefill, mixed):    eager forward on views of the same buffers
-    logits of the rows that sample --> Sampler (on the GPU) --> .tolist(): the step's one sync
+    logits of the rows that sample --> Sampler (on the GPU) --> tokens copied to pinned memory
+    PendingStep.result(): waits for that copy, the step's one sync (overlap scheduling builds
+    and launches the next step first; its placeholder tokens are copied on the device)
 
 Padding rows write no K/V (slot -1 is skipped) and their attention output is zeros (context 0);
 their logits are never read. On CUDA the element-wise ops are kernels' Triton kernels
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
-from common.model_runner import KVAllocator, ModelRunner, StepOutput
+from common.model_runner import KVAllocator, ModelRunner, PendingStep, placeholder_rows
 from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.model_config import ModelConfig
 from common.scheduler import ScheduledSeq, SchedulerOutput
@@ -103,6 +105,8 @@ class CudaGraphRunner(ModelRunner):
         self.seq_lens = _Staged((self.max_seqs,), i32, device)
         self.block_tables = _Staged((self.max_seqs, self.max_blocks), i32, device)
         self.logit_rows = _Staged((self.max_seqs,), i64, device)
+        self.placeholder_dst = _Staged((self.max_seqs,), i64, device)
+        self.placeholder_src = _Staged((self.max_seqs,), i64, device)
         # Recorded after each step's uploads: the next step waits on it before it rewrites the
         # pinned staging (a no-op wait when the previous step's .tolist() already synced).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
@@ -113,15 +117,15 @@ class CudaGraphRunner(ModelRunner):
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput,
-                draft_probs: Mapping[str, torch.Tensor] | None = None) -> StepOutput:
+    def _launch(self, out: SchedulerOutput,
+                draft_probs: Mapping[str, torch.Tensor] | None) -> PendingStep:
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         num_tokens = sum(s.num_new_tokens for s in items)
         width = max(len(s.seq.block_table) for s in items)
         if (len(items) > self.max_seqs or num_tokens > self.max_tokens
                 or width > self.max_blocks or any(s.spec_token_ids for s in items)):
             self.steps["fallback"] += 1
-            return super().execute(out, draft_probs)
+            return super()._launch(out, draft_probs)
         if self._uploaded is not None:
             self._uploaded.synchronize()
         sampling = [i for i, s in enumerate(items) if s.samples]
@@ -135,15 +139,11 @@ class CudaGraphRunner(ModelRunner):
         return self._sample(items, sampling, logits)
 
     def _sample(self, items: list[ScheduledSeq], sampling: list[int],
-                logits: torch.Tensor | None) -> StepOutput:
+                logits: torch.Tensor | None) -> PendingStep:
         if logits is None:
-            return StepOutput([], [], [], [], [])
+            return PendingStep([])
         seqs = [items[i].seq for i in sampling]
-        sampled = self.sampler(logits, seqs)
-        n = len(seqs)
-        return StepOutput(seqs, [[t] for t in sampled.token_ids],
-                          [None if lp is None else [lp] for lp in sampled.logprobs],
-                          [0] * n, [0] * n)
+        return PendingStep(seqs, self.sampler.sample(logits, seqs))
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds n rows (None: no graph fits)."""
@@ -188,8 +188,14 @@ class CudaGraphRunner(ModelRunner):
             max_query_len=max(s.num_new_tokens for s in items),
             max_seq_len=max(lens),
         )
+        dst, src = placeholder_rows(items)
+        for row in dst:  # decode rows come first: row == token index
+            ids[row] = 0
         self.input_ids.put(ids + [0] * pad)
         self.positions.put(positions + [0] * pad)
+        if dst:
+            self._fill_placeholders(self.input_ids.dev, self.placeholder_dst.put(dst),
+                                    self.placeholder_src.put(src))
         return meta, qsl
 
     def _eager(self, items: list[ScheduledSeq], width: int,

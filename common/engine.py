@@ -20,11 +20,11 @@ from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.cuda_runner import make_runner
 from common.detokenizer import IncrementalDetokenizer, StopChecker
-from common.model_runner import KVAllocator, ModelRunner
+from common.model_runner import KVAllocator, ModelRunner, PendingStep
 from common.models.loader import load_model, resolve_model
 from common.sampler import TokenLogprobs
 from common.sampling_params import InvalidRequestError, SamplingParams
-from common.scheduler import Scheduler, SchedulerConfig
+from common.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.sequence import FinishReason, Sequence
 from common.spec_decode.draft_model import kv_bytes_per_block, load_draft_model
 from common.spec_decode.speculator import SpecDecodeCounters, make_speculator
@@ -129,6 +129,11 @@ class LLMEngine:
         self.texts: dict[str, _Text] = {}
         self.held: dict[str, list[int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        # Overlap scheduling (see step()); speculation proposes from the real last tokens.
+        self.overlap = self.speculator is None and (
+            config.overlap_scheduling == "on"
+            or (config.overlap_scheduling == "auto" and self.device.type == "cuda"))
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d",
                  config.model_name, self.device, self.dtype, self.runner.num_blocks,
                  config.block_size)
@@ -200,7 +205,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or self._in_flight is not None)
 
     @property
     def num_running(self) -> int:
@@ -232,20 +238,49 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step: schedule, launch on the device, return outputs.
+
+        Synchronous, the step's own outputs come back. With overlap scheduling the previous
+        step is finished (its tokens read, stop rules, outputs) after this one is launched,
+        while the device runs it, so outputs arrive one step() later; until then a sequence
+        that sampled in the step in flight carries a placeholder for that token (see
+        common.model_runner), which the runner reads on the device.
+        """
         outputs, self._pending = self._pending, []
+        launched = self._launch()
+        if not self.overlap:
+            if launched is not None:
+                outputs += self._finish_step(*launched)
+            return outputs
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            outputs += self._finish_step(*previous)
+        if launched is not None:
+            out, pending = launched
+            self.scheduler.update(out)  # the next schedule() must see this step as computed
+            self._add_placeholders(pending)
+            self._in_flight = launched
+        return outputs
+
+    def _launch(self) -> tuple[SchedulerOutput, PendingStep] | None:
         draft_probs = self.speculator.propose(self.scheduler.running) if self.speculator else {}
         out = self.scheduler.schedule()
         if self.speculator:
             for seq in out.preempted:
                 self.speculator.forget(seq.request_id)
         if out.is_empty:
-            return outputs
-        result = self.runner.execute(out, draft_probs)
+            return None
+        return out, self.runner.launch(out, draft_probs)
+
+    def _finish_step(self, out: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
+        result = pending.result()
         if self.speculator:
             self.speculator.record(result.num_drafts, result.num_accepted)
         now = time.monotonic()
         appended = []
         for seq, tokens, lps in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
+            if seq.is_finished:  # aborted, or (overlap) ended by the step before: a wasted row
+                continue
             # Token by token: the first one that ends the request discards those after it.
             new_ids: list[int] = []
             new_text, reason = "", None
@@ -256,7 +291,9 @@ class LLMEngine:
                 if reason is not None:
                     break
             appended.append((seq, new_ids, new_text, lps, reason))
-        self.scheduler.update(out)  # after the appends: it counts verified tokens
+        if not self.overlap:
+            self.scheduler.update(out)  # after the appends: it counts verified tokens
+        outputs = []
         for seq, new_ids, new_text, lps, reason in appended:
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -265,9 +302,26 @@ class LLMEngine:
             outputs.append(self._output(seq, new_ids, new_text, lps, now))
         return outputs
 
+    def _add_placeholders(self, pending: PendingStep) -> None:
+        """Overlap: each sequence that sampled in the step just launched, and may go on, gets a
+        placeholder for that token, so the next schedule() gives it a decode row. Sequences
+        whose next step needs the token's value on the host (penalties), that hand their
+        blocks off when they end, or that this token surely ends, wait for the real token."""
+        for row, seq in enumerate(pending.seqs):
+            p = seq.params
+            if (seq.is_finished or p.hold_blocks or p.needs_penalties
+                    or seq.num_output_tokens + 1 >= p.max_tokens
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                continue
+            seq.append_token(-1 - row)
+
     def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
-        """Append a sampled token; returns (text delta, finish reason or None)."""
-        seq.append_token(token)
+        """Append a sampled token (or resolve its placeholder); returns (text delta, finish
+        reason or None)."""
+        if seq.token_ids[-1] < 0:
+            seq.resolve_placeholder(token)
+        else:
+            seq.append_token(token)
         p = seq.params
         reason = None
         # The sampler masks EOS and stop ids while fewer than min_tokens are out.

@@ -13,6 +13,8 @@ The exponential race picks argmax(probs / E) with E ~ Exp(1) per token, which sa
 probs. A seeded request draws its E row from its own torch.Generator, one draw per sampled token, so
 its tokens do not depend on the rest of the batch, the batch order, or recomputation after
 preemption (which does not sample). The whole call makes one host-device sync: the final tolist().
+sample() stops short of it: it returns a DeviceSample whose tokens stay on the device (the next
+step can read them there) and whose copy to the host is already under way; result() waits.
 """
 
 from __future__ import annotations
@@ -38,6 +40,34 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]  # None where the request did not ask for logprobs
 
 
+class DeviceSample:
+    """A batch's sampled tokens (and packed logprobs) on the device, copying to the host.
+
+    tokens: [n] int64 on the device, row i for the i-th sequence passed to Sampler.sample.
+    result() waits for the copy (the step's one sync) and unpacks it."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor | None,
+                 logprobs_n: list[int | None]):
+        self.tokens = tokens
+        self._logprobs_n = logprobs_n  # per row: params.logprobs
+        src = packed if packed is not None else tokens
+        self._host = src
+        self._ready: torch.cuda.Event | None = None
+        if src.device.type == "cuda":
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._host.copy_(src, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._result: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._result = _unpack(self._host, self._logprobs_n)
+        return self._result
+
+
 class Sampler:
     """Stateless except for the per-request generators of seeded requests (see forget())."""
 
@@ -50,10 +80,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [num_seqs, vocab] float32; row i belongs to seqs[i]
+        return self.sample(logits, seqs).result()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """As __call__, without waiting for the device."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
         if not seqs:
-            return SamplerOutput([], [])
+            return DeviceSample(torch.empty(0, dtype=torch.long, device=logits.device), None, [])
         masked = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
         penalised = [i for i, seq in enumerate(seqs) if seq.params.needs_penalties]
         work = logits.clone() if masked or penalised else logits
@@ -181,13 +215,14 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _collect(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+def _collect(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+    logprobs_n = [seq.params.logprobs for seq in seqs]
+    wanted = [i for i, n in enumerate(logprobs_n) if n is not None]
     if not wanted:
-        return SamplerOutput(tokens.tolist(), [None] * len(seqs))
+        return DeviceSample(tokens, None, logprobs_n)
     # Token ids, sampled logprobs and the top-n pairs travel in one float64 tensor (ids < 2**53
     # are exact) so that the host syncs once.
-    n = max(seqs[i].params.logprobs for i in wanted)
+    n = max(logprobs_n[i] for i in wanted)
     rows = _to_device(wanted, torch.long, raw.device)
     logprobs = raw[rows].float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))
@@ -195,13 +230,23 @@ def _collect(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> S
     packed = torch.zeros(len(seqs), 2 + 2 * n, dtype=torch.float64, device=raw.device)
     packed[:, 0] = tokens
     packed[rows, 1:] = torch.cat([chosen.double(), top_ids.double(), top_values.double()], dim=1)
-    host = packed.tolist()
-    out: list[TokenLogprobs | None] = [None] * len(seqs)
-    for i in wanted:
-        row, k = host[i], seqs[i].params.logprobs
-        top = tuple((int(t), v) for t, v in zip(row[2:2 + k], row[2 + n:2 + n + k], strict=True))
-        out[i] = TokenLogprobs(int(row[0]), row[1], top)
-    return SamplerOutput([int(row[0]) for row in host], out)
+    return DeviceSample(tokens, packed, logprobs_n)
+
+
+def _unpack(host: torch.Tensor, logprobs_n: list[int | None]) -> SamplerOutput:
+    """host: the tokens [n] int64, or the packed [n, 2 + 2 * top_n] float64 of _collect."""
+    if host.dim() == 1:
+        return SamplerOutput(host.tolist(), [None] * len(logprobs_n))
+    rows = host.tolist()
+    n = (host.shape[1] - 2) // 2
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    for i, k in enumerate(logprobs_n):
+        if k is not None:
+            row = rows[i]
+            top = tuple((int(t), v) for t, v in zip(row[2:2 + k], row[2 + n:2 + n + k],
+                                                     strict=True))
+            out[i] = TokenLogprobs(int(row[0]), row[1], top)
+    return SamplerOutput([int(row[0]) for row in rows], out)
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -190,6 +190,8 @@ class Scheduler:
         """
         for s in out.scheduled:
             seq = s.seq
+            if seq.is_finished:  # aborted, or (overlap scheduling) ended before this update
+                continue
             advance = s.num_new_tokens
             if s.spec_token_ids:
                 advance = min(advance, seq.num_tokens - 1 - seq.num_computed_tokens)

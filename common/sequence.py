@@ -80,3 +80,9 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """Overlap scheduling: the last token was a placeholder (negative) for a token sampled
+        on the device; now its value is known."""
+        self.output_token_ids[-1] = token_id
+        self.token_ids[-1] = token_id
