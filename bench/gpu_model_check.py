@@ -35,7 +35,7 @@ from common.cuda_runner import CudaGraphRunner
 from common.engine import LLMEngine
 from common.models.llama import LlamaModel
 from common.models.model_config import ModelConfig
-from common.sampler import Sampler, SamplerOutput
+from common.sampler import DeviceSample, Sampler
 from common.sampling_params import SamplingParams
 from common.sequence import Sequence
 
@@ -85,11 +85,11 @@ class RecordingSampler(Sampler):
         super().__init__()
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
         host = logits.float().cpu()
         for row, seq in zip(host, seqs, strict=True):
             self.logits[seq.request_id].append(row)
-        return super().__call__(logits, seqs)
+        return super().sample(logits, seqs)
 
 
 @torch.inference_mode()

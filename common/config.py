@@ -35,6 +35,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     overlap_scheduling: str = "auto"    # auto -> on for CUDA, off on CPU
+    cuda_graph_prefill_tokens: int = 1024  # prefill/mixed steps up to this many tokens replay graphs
 
     HELP = {
         "model": "model: a HF directory, a .gguf file, SmolLM2-135M-Instruct, or dummy:<shape>",
@@ -62,6 +63,8 @@ class EngineConfig:
         "num_speculative_tokens": "draft tokens proposed per sequence and step (k)",
         "prompt_lookup_min": "ngram: shortest suffix n-gram looked up in the prompt and output",
         "prompt_lookup_max": "ngram: longest suffix n-gram looked up (tried first)",
+        "cuda_graph_prefill_tokens": "CUDA: capture graphs for prefill and mixed steps of up to "
+                                     "this many tokens (0: such steps run eagerly)",
         "overlap_scheduling": "schedule and prepare step N+1 while step N runs on the device: "
                               "auto (on for CUDA), on or off",
     }
@@ -87,6 +90,8 @@ class EngineConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1, "
                              f"got {self.num_speculative_tokens}")
+        if self.cuda_graph_prefill_tokens < 0:
+            raise ValueError("cuda_graph_prefill_tokens must be >= 0")
         if self.overlap_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"overlap_scheduling must be auto, on or off, "
                              f"got {self.overlap_scheduling!r}")

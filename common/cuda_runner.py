@@ -44,6 +44,14 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sorted(sizes)
 
 
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts of the prefill/mixed graphs: 16, 32, ..., 256, then every 128 up to
+    max_tokens (0: none)."""
+    sizes = [t for t in (16, 32, 64, 128, 256) if t < max_tokens]
+    sizes += range(384, max_tokens, 128)
+    return sorted({*sizes, max_tokens}) if max_tokens > 0 else []
+
+
 def make_runner(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                 device: torch.device, dtype: torch.dtype,
                 kv_cache_allocator: KVAllocator | None = None, *,
@@ -73,7 +81,8 @@ class _Staged:
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, vocab] float32, written by each replay
+    # Written by each replay. Decode: [bucket, vocab] float32 logits; prefill: [tokens, hidden].
+    output: torch.Tensor
 
 
 class CudaGraphRunner(ModelRunner):
@@ -110,8 +119,13 @@ class CudaGraphRunner(ModelRunner):
         # Recorded after each step's uploads: the next step waits on it before it rewrites the
         # pinned staging (a no-op wait when the previous step's .tolist() already synced).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
-        self.graphs: dict[int, _Graph] = {}
-        self.steps = {"graph": 0, "eager": 0, "fallback": 0}  # steps taken by each path
+        self.graphs: dict[int, _Graph] = {}  # decode-only steps, by batch size
+        # Prefill / mixed steps, by token count: below ~1k tokens an eager 8B-shape step costs
+        # more in launches (~300 of them) than on the GPU. Every sequence row up to max_seqs is
+        # in the graph (unused ones have no tokens), and all rows go through the extend kernel.
+        self.prefill_graphs: dict[int, _Graph] = {}
+        self.prefill_graph_tokens = min(config.cuda_graph_prefill_tokens, self.max_tokens)
+        self.steps = {"graph": 0, "prefill_graph": 0, "eager": 0, "fallback": 0}
         if use_cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
             self._capture_all()
 
@@ -130,9 +144,14 @@ class CudaGraphRunner(ModelRunner):
             self._uploaded.synchronize()
         sampling = [i for i, s in enumerate(items) if s.samples]
         bucket = self.bucket_for(len(items)) if num_tokens == len(items) else None  # decode only
+        prefill_bucket = (next((t for t in sorted(self.prefill_graphs) if t >= num_tokens), None)
+                          if bucket is None else None)
         if bucket is not None:
             self.steps["graph"] += 1
             logits = self._replay(items, width, bucket, sampling)
+        elif prefill_bucket is not None:
+            self.steps["prefill_graph"] += 1
+            logits = self._replay_prefill(items, width, prefill_bucket, sampling)
         else:
             self.steps["eager"] += 1
             logits = self._eager(items, width, sampling)
@@ -149,9 +168,10 @@ class CudaGraphRunner(ModelRunner):
         """The smallest captured batch size that holds n rows (None: no graph fits)."""
         return next((b for b in sorted(self.graphs) if b >= n), None)
 
-    def _stage(self, items: list[ScheduledSeq], width: int,
-               pad_to: int) -> tuple[AttentionMetadata, list[int]]:
-        """Uploads the step's inputs; with pad_to > len(items), adds padding rows (decode only).
+    def _stage(self, items: list[ScheduledSeq], width: int, pad_to: int, *,
+               pad_tokens_to: int = 0) -> tuple[AttentionMetadata, list[int]]:
+        """Uploads the step's inputs; with pad_to > len(items), adds padding rows (decode: one
+        token each; with pad_tokens_to: no tokens, and the tokens are padded to pad_tokens_to).
         Returns the metadata on the device buffers and the query start locations."""
         bs = self.block_size
         ids: list[int] = []
@@ -173,6 +193,9 @@ class CudaGraphRunner(ModelRunner):
             rows += [0] * (width - len(table))
         pad = pad_to - len(items)
         n = len(items)
+        if pad_tokens_to:
+            return self._stage_prefill_padding(items, width, pad_to, pad_tokens_to, ids,
+                                               positions, slots, qsl, lens, rows)
         # Whole rows go up (one contiguous copy). Entries past `width` are stale but valid block
         # ids, and the kernels read no token past seq_lens, so they are never used.
         self.block_tables.host[:n, :width] = torch.tensor(rows, dtype=torch.int32).view(n, width)
@@ -198,6 +221,40 @@ class CudaGraphRunner(ModelRunner):
                                     self.placeholder_src.put(src))
         return meta, qsl
 
+    def _stage_prefill_padding(self, items: list[ScheduledSeq], width: int, pad_to: int,
+                               pad_tokens_to: int, ids: list[int], positions: list[int],
+                               slots: list[int], qsl: list[int], lens: list[int],
+                               rows: list[int]) -> tuple[AttentionMetadata, list[int]]:
+        n, num_tokens = len(items), qsl[-1]
+        extra = pad_tokens_to - num_tokens
+        self.block_tables.host[:n, :width] = torch.tensor(rows, dtype=torch.int32).view(n, width)
+        self.block_tables.dev[:n].copy_(self.block_tables.host[:n], non_blocking=True)
+        dst, src = placeholder_rows(items)
+        for row in dst:
+            ids[row] = 0
+        self.input_ids.put(ids + [0] * extra)
+        self.positions.put(positions + [0] * extra)
+        self.slot_mapping.put(slots + [-1] * extra)
+        self.query_start_loc.put(qsl + [num_tokens] * (pad_to - n))
+        self.seq_lens.put(lens + [0] * (pad_to - n))
+        if dst:
+            self._fill_placeholders(self.input_ids.dev, self.placeholder_dst.put(dst),
+                                    self.placeholder_src.put(src))
+        return None, qsl  # the graph holds its own metadata
+
+    def _replay_prefill(self, items: list[ScheduledSeq], width: int, tokens: int,
+                        sampling: list[int]) -> torch.Tensor | None:
+        # Rows of the block table past len(items) keep stale ids: their sequences have no
+        # tokens and seq_len 0, so nothing reads them.
+        _, qsl = self._stage(items, width, self.max_seqs, pad_tokens_to=tokens)
+        rows = self.logit_rows.put([qsl[i + 1] - 1 for i in sampling]) if sampling else None
+        self._record_upload()
+        g = self.prefill_graphs[tokens]
+        g.graph.replay()
+        if rows is None:
+            return None
+        return self.model.compute_logits(g.output.index_select(0, rows))
+
     def _eager(self, items: list[ScheduledSeq], width: int,
                sampling: list[int]) -> torch.Tensor | None:
         meta, qsl = self._stage(items, width, len(items))
@@ -219,7 +276,7 @@ class CudaGraphRunner(ModelRunner):
         g.graph.replay()
         if not sampling:
             return None
-        return g.logits[:len(items)] if rows is None else g.logits.index_select(0, rows)
+        return g.output[:len(items)] if rows is None else g.output.index_select(0, rows)
 
     def _record_upload(self) -> None:
         if self._uploaded is not None:
@@ -238,6 +295,18 @@ class CudaGraphRunner(ModelRunner):
                             self.kv_cache, meta, backend)
         return self.model.compute_logits(hidden)
 
+    def _prefill_forward(self, tokens: int, backend: AttentionBackend) -> torch.Tensor:
+        s = self.max_seqs
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.dev[:tokens],
+            query_start_loc=self.query_start_loc.dev[:s + 1],
+            seq_lens=self.seq_lens.dev[:s],
+            block_tables=self.block_tables.dev[:s],
+            num_decodes=0, num_decode_tokens=0, max_query_len=tokens,
+            max_seq_len=self.max_blocks * self.block_size)
+        return self.model(self.input_ids.dev[:tokens], self.positions.dev[:tokens],
+                          self.kv_cache, meta, backend)
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """One graph per bucket, largest first so the smaller ones reuse its memory pool."""
@@ -248,9 +317,22 @@ class CudaGraphRunner(ModelRunner):
         # Capture-time inputs: every row is padding (writes nothing, reads nothing).
         self.slot_mapping.dev[:biggest].fill_(-1)
         self.seq_lens.dev[:biggest].fill_(0)
+        pool = None
+        # Prefill graphs first (the largest activations); capture-time inputs: no sequence has a
+        # token (query_start_loc all 0), every token slot is -1.
+        self.slot_mapping.dev.fill_(-1)
+        self.query_start_loc.dev.zero_()
+        prefill_backend = TritonAttentionBackend()
+        for tokens in reversed(prefill_buckets(self.prefill_graph_tokens)):
+            self._prefill_forward(tokens, prefill_backend)  # compiles outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._prefill_forward(tokens, prefill_backend)
+            pool = graph.pool()
+            self.prefill_graphs[tokens] = _Graph(graph, hidden)
         self.query_start_loc.dev[:biggest + 1].copy_(
             torch.arange(biggest + 1, dtype=torch.int32, device=self.device))
-        pool = None
         for bucket in reversed(decode_buckets(self.max_seqs)):
             # A fixed split count per bucket: the launch grid must not change between replays.
             splits = default_num_splits(bucket, self.mc.num_kv_heads,
