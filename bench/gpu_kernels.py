@@ -2,7 +2,9 @@
 
   copy       device-to-device copy bandwidth (bytes read + written): the memory ceiling
   decode     paged decode attention (T5), llama-3-8b shapes, bf16, block size 16: fewest bytes
-             (K/V of every context once, q, out) / time, as a fraction of the copy bandwidth
+             (K/V of every context once, q, out) / time, as a fraction of the copy bandwidth;
+             where it splits the context, both ways of merging the splits (fused_merge: in the
+             last split's program; else a second launch) are timed side by side
   block_copy scattered KV-block copy between two pools (T7), same fraction
   extend     causal prefill through the extend kernel, TFLOP/s next to torch SDPA (flash)
 
@@ -19,6 +21,7 @@ import itertools
 import json
 import math
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -114,12 +117,22 @@ class DecodeCase:
 
 
 def decode_table(cfg: DecodeConfig, copy_tb_s: float) -> list[dict]:
+    """One row per case, timed with cfg; where there are splits, also with the other merge (graph
+    replays only): `us_fused` and `us_two_launch` (None with one split: nothing to merge)."""
     rows = []
     for ctx, batch in itertools.product(CONTEXTS, BATCHES):
         case = DecodeCase(batch, ctx)
         splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
         row = {"batch": batch, "ctx": ctx, "splits": splits, "mb": case.bytes / 1e6,
-               **case.time(splits, cfg), "rel_err": case.rel_err(splits, cfg)}
+               **case.time(splits, cfg), "rel_err": case.rel_err(splits, cfg),
+               "us_fused": None, "us_two_launch": None}
+        if splits > 1:
+            other = replace(cfg, fused_merge=not cfg.fused_merge)
+            t = case.time(splits, other, eager=False)
+            fused, two = (row, t) if cfg.fused_merge else (t, row)
+            row["us_fused"], row["us_two_launch"] = fused["us"], two["us"]
+            row["other_merge"] = {"fused_merge": other.fused_merge, **t,
+                                  "rel_err": case.rel_err(splits, other)}
         row["frac_copy"] = row["tb_s"] / copy_tb_s
         row["same_copy_us"] = case.copy_us()
         rows.append(row)
@@ -222,14 +235,21 @@ def extend_bench(sweep: bool) -> list[dict]:
 
 
 def print_decode_table(title: str, rows: list[dict]) -> None:
+    """The main columns are the table's config; `us fused` / `us 2-launch` time both merges
+    (graph replays), `rel err` is the worse of the two."""
     print(f"\n{title}")
-    print("| batch | ctx | splits | MB | us (graph) | spread | TB/s | % copy | us same-size copy "
-          "| us eager | rel err |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | ctx | splits | MB | us (graph) | spread | TB/s | % copy | us fused "
+          "| us 2-launch | us same-size copy | us eager | rel err |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        errs = [e for e in (r["rel_err"], r.get("other_merge", {}).get("rel_err"))
+                if e is not None]
+        err = f"{max(errs):.1e}" if errs else "-"
+        fused, two = (("-" if us is None else f"{us:.1f}")
+                      for us in (r["us_fused"], r["us_two_launch"]))
         print(f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['mb']:.0f} | {r['us']:.1f} | "
               f"{r['spread_us']:.1f} | {r['tb_s']:.2f} | {100 * r['frac_copy']:.1f} | "
-              f"{r['same_copy_us']:.1f} | {r['eager_us']:.1f} | {err} |")
+              f"{fused} | {two} | {r['same_copy_us']:.1f} | {r['eager_us']:.1f} | {err} |")
 
 
 def main() -> None:

@@ -3,9 +3,17 @@
 Stage 1 runs one program per (sequence, kv head, split). It loads the query rows of all the query
 heads that share the kv head (GQA), so each K/V tile is read from the pool once, and runs an
 online softmax over its share of the context. With one split it writes the normalised output;
-otherwise it leaves (max, sum, unnormalised acc) per split in a workspace and stage 2 merges the
-splits of each (sequence, head). The grid depends only on shapes and `num_splits`, never on the
-values of `seq_lens`, so a decode step that calls this can be captured in a CUDA graph.
+otherwise it leaves (max, sum, unnormalised acc) per split in a workspace, and the splits of each
+(sequence, head) are merged in one of two ways (`DecodeConfig.fused_merge`):
+
+    two launches: stage 2, one program per (sequence, query head), merges after stage 1 ends.
+    fused:        each stage-1 program, once its partial is stored, takes a ticket (an atomic add
+                  on the workspace's counter of its (sequence, kv head)); the program that draws
+                  the last ticket, num_splits - 1, merges the splits of that kv head's query heads
+                  and puts the counter back to 0 for the next launch (or graph replay).
+
+The grid depends only on shapes and `num_splits`, never on the values of `seq_lens`, so a decode
+step that calls this can be captured in a CUDA graph.
 
 Context split of one sequence (tiles of BLOCK_N tokens, splits of whole tiles):
 
@@ -37,14 +45,22 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     waves: int = 4         # default_num_splits aims at about this many programs per multiprocessor
+    fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeWorkspace:
-    """Scratch of the split-K path, allocated once (e.g. before CUDA-graph capture)."""
-    acc: torch.Tensor  # [max_batch, heads, num_splits, head_dim] float32, unnormalised output
-    max: torch.Tensor  # [max_batch, heads, num_splits] float32, running max (log2 units)
-    sum: torch.Tensor  # [max_batch, heads, num_splits] float32, running sum of exp2
+    """Scratch of the split-K path, allocated once (e.g. before CUDA-graph capture). It holds up
+    to `num_splits` splits: a launch may use fewer. Launches that share it must not overlap (one
+    stream), and it must outlive every CUDA graph that captured a launch using it.
+
+    `tickets` must be all zero when a fused-merge launch starts: allocate() zeroes it, and every
+    such launch leaves it zero again (the merging program resets its counter). Only its first
+    kv_heads columns are used; it is sized by query heads, a bound that needs no kv-head count."""
+    acc: torch.Tensor      # [max_batch, heads, num_splits, head_dim] float32, unnormalised output
+    max: torch.Tensor      # [max_batch, heads, num_splits] float32, running max (log2 units)
+    sum: torch.Tensor      # [max_batch, heads, num_splits] float32, running sum of exp2
+    tickets: torch.Tensor  # [max_batch, heads] int32, [b, kvh]: splits of (b, kvh) finished
 
     @classmethod
     def allocate(cls, max_batch: int, num_heads: int, head_dim: int, num_splits: int,
@@ -52,11 +68,56 @@ class DecodeWorkspace:
         f32 = dict(dtype=torch.float32, device=device)
         return cls(torch.empty(max_batch, num_heads, num_splits, head_dim, **f32),
                    torch.empty(max_batch, num_heads, num_splits, **f32),
-                   torch.empty(max_batch, num_heads, num_splits, **f32))
+                   torch.empty(max_batch, num_heads, num_splits, **f32),
+                   torch.zeros(max_batch, num_heads, dtype=torch.int32, device=device))
 
     @property
     def num_splits(self) -> int:
         return self.acc.shape[2]
+
+
+@triton.jit
+def _merge_splits(
+    acc_ptr,               # [>=B, H, ws_splits, D] float32
+    max_ptr, sum_ptr,      # [>=B, H, ws_splits] float32
+    out_ptr,               # [B, H, D]
+    b, head0,              # the sequence and the first of the GROUP query heads to merge
+    num_splits, ws_splits,
+    stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
+):
+    """out[b, head0:head0 + GROUP] from the splits' partials, CHUNK_S splits of every head at a
+    time (an online softmax over the chunks). Empty splits (max -inf, sum 0) weigh 0; a row
+    whose splits are all empty comes out as zeros. Loads bypass L1 (.cg): in the fused path the
+    partials were written by other programs of the same launch."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = head0 + offs_g
+    m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_G], tl.float32)
+    num = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        offs_s = s0 + tl.arange(0, CHUNK_S)
+        gs_mask = g_mask[:, None] & (offs_s < num_splits)[None, :]
+        part = (b * NUM_HEADS + heads)[:, None] * ws_splits + offs_s[None, :]  # [BLOCK_G, CHUNK_S]
+        m = tl.load(max_ptr + part, mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(sum_ptr + part, mask=gs_mask, other=0.0, cache_modifier=".cg")
+        acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0,
+                      cache_modifier=".cg")  # [BLOCK_G, CHUNK_S, BLOCK_D]
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m - m_ref[:, None])  # 0 for empty splits
+        l_run = l_run * alpha + tl.sum(l_s * w, 1)
+        num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
+        m_run = m_new
+    o = num / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -65,11 +126,12 @@ def _decode_split_kernel(
     k_ptr, v_ptr,          # [num_blocks, BLOCK_SIZE, KVH, D]
     tables_ptr,            # [B, max_blocks] int32
     seq_lens_ptr,          # [B] int32
-    out_ptr,               # [B, H, D], written when SINGLE_SPLIT
-    acc_ptr,               # [>=B, H, num_splits, D] float32, written unless SINGLE_SPLIT
-    max_ptr, sum_ptr,      # [>=B, H, num_splits] float32
+    out_ptr,               # [B, H, D], written when SINGLE_SPLIT or FUSED_MERGE
+    acc_ptr,               # [>=B, H, ws_splits, D] float32, written unless SINGLE_SPLIT
+    max_ptr, sum_ptr,      # [>=B, H, ws_splits] float32
+    tickets_ptr,           # [>=B, H] int32, zero at launch; used when FUSED_MERGE
     qk_scale,              # softmax scale * log2(e)
-    num_splits,
+    num_splits, ws_splits,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -79,6 +141,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -127,42 +190,50 @@ def _decode_split_kernel(
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        part = (b * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
+        part = (b * NUM_HEADS + heads) * ws_splits + split  # [BLOCK_G]
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=g_mask[:, None] & d_mask[None, :])
         tl.store(max_ptr + part, m_i, mask=g_mask)
         tl.store(sum_ptr + part, l_i, mask=g_mask)
+        if FUSED_MERGE:
+            # Release: the barrier puts every thread's partial stores before the atomic, which
+            # one thread performs. Acquire: the program drawing the last ticket reads the other
+            # splits' partials only after its atomic (its result reaches the other threads
+            # through a barrier) and from L2 (.cg loads in _merge_splits).
+            counter = tickets_ptr + b * NUM_HEADS + kvh
+            tl.debug_barrier()
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                _merge_splits(acc_ptr, max_ptr, sum_ptr, out_ptr, b, kvh * GROUP, num_splits,
+                              ws_splits, stride_ob, stride_oh, NUM_HEADS, GROUP, MERGE_G,
+                              HEAD_DIM, BLOCK_D, CHUNK_S)
+                tl.store(counter, 0)  # every split has drawn its ticket: ready for the next launch
 
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr,               # [>=B, H, num_splits, D] float32
-    max_ptr, sum_ptr,      # [>=B, H, num_splits] float32
+    acc_ptr,               # [>=B, H, ws_splits, D] float32
+    max_ptr, sum_ptr,      # [>=B, H, ws_splits] float32
     out_ptr,               # [B, H, D]
-    num_splits,
+    num_splits, ws_splits,
     stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    d_mask = offs_d < HEAD_DIM
-    part = (b * NUM_HEADS + h) * num_splits + offs_s
-    m = tl.load(max_ptr + part, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(sum_ptr + part, mask=s_mask, other=0.0)
-    m_all = tl.max(m, 0)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # every split empty
-    w = tl.exp2(m - m_all)  # 0 for empty splits
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    num = tl.sum(acc * w[:, None], 0)
-    den = tl.sum(l_s * w, 0)
-    o = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    _merge_splits(acc_ptr, max_ptr, sum_ptr, out_ptr, tl.program_id(0).to(tl.int64),
+                  tl.program_id(1), num_splits, ws_splits, stride_ob, stride_oh, NUM_HEADS, 1, 1,
+                  HEAD_DIM, BLOCK_D, CHUNK_S)
+
+
+def _merge_chunk(heads: int, block_d: int, num_warps: int, regs: int) -> int:
+    """Splits merged per step (a power of two): the [heads, splits, head_dim] float32 tile takes
+    about `regs` registers a thread. The merge kernel takes 64 and at most the split count: one
+    load for up to 64 splits of head_dim 128, as before the fused merge existed. The fused merge
+    takes 32, whatever the split count: triton 3.6 on sm_90 at llama-3-8b shapes then keeps
+    stage 1 at 114 registers (112 without the merge), where 64 gave 146, and tiles of 2 or 4
+    splits 136-138 (one program fewer per multiprocessor)."""
+    fit = max(1, regs * 32 * num_warps // (heads * block_d))
+    return 1 << (fit.bit_length() - 1)
 
 
 @functools.cache
@@ -197,7 +268,9 @@ def paged_attention_decode(
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:               # [B, heads, head_dim]
     """Same result as reference.paged_attention_decode. For CUDA graphs pass `out`, a
-    `workspace` allocated beforehand and a fixed `num_splits` (the workspace's by default)."""
+    `workspace` allocated beforehand and a fixed `num_splits` (the workspace's by default, at
+    most its capacity). Without a workspace, a split launch allocates one (with fused_merge
+    that includes zeroing its tickets: one more device op)."""
     config = config or DecodeConfig()
     dev = q.device
     check_tensor("q", q, dim=3, dtypes=FLOAT_DTYPES)
@@ -227,19 +300,18 @@ def paged_attention_decode(
     if num_splits > 1:
         if workspace is None:
             workspace = DecodeWorkspace.allocate(b, h, d, num_splits, dev)
-        ws = workspace.acc
-        if ws.shape[0] < b or ws.shape[1:] != (h, num_splits, d) or ws.device != dev:
-            raise ValueError(f"workspace {tuple(ws.shape)} on {ws.device} does not fit batch {b}, "
-                             f"{h} heads, {num_splits} splits, head_dim {d} on {dev}")
-        acc, m, l_sum = workspace.acc, workspace.max, workspace.sum
+        _check_workspace(workspace, b, h, d, num_splits, dev)
+        ws = workspace
     else:
-        acc = m = l_sum = out  # unused by the single-split kernel
+        ws = None  # the single-split kernel writes `out` only
 
     group = h // kvh
     block_d = next_pow2(d)
+    fused = config.fused_merge
     _decode_split_kernel[(b, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, acc, m, l_sum,
-        scale * LOG2E, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, out,
+        *((ws.acc, ws.max, ws.sum, ws.tickets) if ws is not None else (out,) * 4),
+        scale * LOG2E, num_splits, ws.num_splits if ws is not None else 1,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -249,13 +321,29 @@ def paged_attention_decode(
         HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSED_MERGE=fused, MERGE_G=next_pow2(group),
+        CHUNK_S=_merge_chunk(next_pow2(group), block_d, config.num_warps, 32),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if num_splits > 1:
+    if ws is not None and not fused:
+        merge_warps = 4 if d >= 128 else 2
         _decode_merge_kernel[(b, h)](
-            acc, m, l_sum, out, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
-            num_warps=4 if d >= 128 else 2,
+            ws.acc, ws.max, ws.sum, out, num_splits, ws.num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d,
+            CHUNK_S=min(next_pow2(num_splits), _merge_chunk(1, block_d, merge_warps, 64)),
+            num_warps=merge_warps,
         )
     return out
 
+
+def _check_workspace(ws: DecodeWorkspace, b: int, h: int, d: int, num_splits: int,
+                     dev: torch.device) -> None:
+    cap, heads, splits, dim = ws.acc.shape
+    fits = (cap >= b and heads == h and splits >= num_splits and dim == d and ws.acc.device == dev
+            and ws.max.shape == ws.sum.shape == (cap, h, splits)
+            and ws.tickets.shape == (cap, h) and ws.tickets.dtype == torch.int32
+            and all(t.is_contiguous() and t.device == dev
+                    for t in (ws.acc, ws.max, ws.sum, ws.tickets)))
+    if not fits:
+        raise ValueError(f"workspace {tuple(ws.acc.shape)} on {ws.acc.device} does not fit batch "
+                         f"{b}, {h} heads, {num_splits} splits, head_dim {d} on {dev}")

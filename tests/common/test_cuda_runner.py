@@ -16,7 +16,7 @@ import common.engine
 from common.config import EngineConfig
 from common.cuda_runner import CudaGraphRunner, decode_buckets, make_runner
 from common.engine import LLMEngine
-from common.model_runner import ModelRunner
+from common.model_runner import ModelRunner, gather_blocks, scatter_blocks
 from common.sampling_params import SamplingParams
 
 HAS_CUDA = torch.cuda.is_available()
@@ -101,6 +101,36 @@ def test_cpu_oversized_step_falls_back(tmp_path):
                 outs[o.request_id] = o.output_token_ids
     assert [outs[f"r{i}"] for i in range(3)] == [o.output_token_ids for o in want]
     assert runner.steps["fallback"] > 0
+
+
+# ---- KV handoff: export_kv / import_kv ---------------------------------------------------------
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA,
+                                                                          reason="needs CUDA")])])
+def test_gather_and_scatter_blocks_match_index_select(device: str, use_kernel: bool):
+    """The paths export_kv / import_kv take (the kernel one on CUDA; without CUDA it runs in
+    Triton's interpreter): exactly index_select and index_copy_ on the block dimension."""
+    if device == "cpu" and use_kernel and HAS_CUDA:
+        pytest.skip("CUDA present: Triton compiles for it, the interpreter is off")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pool = torch.randn(3, 2, 11, 4, 2, 16, device=device).to(dtype)
+    ids = [7, 0, 10, 3]
+    index = torch.tensor(ids, device=device)
+    kv = gather_blocks(pool, ids, use_kernel=use_kernel)
+    assert kv.is_contiguous() and torch.equal(kv, pool.index_select(2, index))
+    assert gather_blocks(pool, [], use_kernel=use_kernel).shape == (3, 2, 0, 4, 2, 16)
+
+    new = torch.randn(kv.shape).to(dtype)  # on the host: import converts
+    got, want = pool.clone(), pool.clone()
+    scatter_blocks(got, ids, new, use_kernel=use_kernel)
+    want.index_copy_(2, index, new.to(device))
+    assert torch.equal(got, want)
+    with pytest.raises((IndexError, RuntimeError)):  # torch's own errors, or ours
+        gather_blocks(pool, [11], use_kernel=use_kernel)
+    with pytest.raises((IndexError, ValueError)):
+        scatter_blocks(got, ids[:3], new, use_kernel=use_kernel)
 
 
 # ---- CUDA -------------------------------------------------------------------------------------
