@@ -120,6 +120,7 @@ class CudaGraphRunner(ModelRunner):
         # pinned staging (a no-op wait when the previous step's .tolist() already synced).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.graphs: dict[int, _Graph] = {}  # decode-only steps, by batch size
+        self._workspaces: list = []  # decode split partials the graphs write
         # Prefill / mixed steps, by token count: below ~1k tokens an eager 8B-shape step costs
         # more in launches (~300 of them) than on the GPU. Every sequence row up to max_seqs is
         # in the graph (unused ones have no tokens), and all rows go through the extend kernel.
@@ -311,7 +312,7 @@ class CudaGraphRunner(ModelRunner):
     def _capture_all(self) -> None:
         """One graph per bucket, largest first so the smaller ones reuse its memory pool."""
         from common.models.attention_triton import TritonAttentionBackend
-        from kernels.decode_attention import DecodeConfig, default_num_splits
+        from kernels.decode_attention import DecodeConfig, DecodeWorkspace, default_num_splits
 
         biggest = decode_buckets(self.max_seqs)[-1]
         # Capture-time inputs: every row is padding (writes nothing, reads nothing).
@@ -338,7 +339,12 @@ class CudaGraphRunner(ModelRunner):
             splits = default_num_splits(bucket, self.mc.num_kv_heads,
                                         self.max_blocks * self.block_size, self.device,
                                         DecodeConfig())
-            backend = TritonAttentionBackend(decode_splits=splits)
+            # The split partials live outside the graphs' pool, one workspace per bucket, shared
+            # by its layers; the runner keeps them as long as the graphs.
+            workspace = (DecodeWorkspace.allocate(bucket, self.mc.num_heads, self.mc.head_dim,
+                                                  splits, self.device) if splits > 1 else None)
+            self._workspaces.append(workspace)
+            backend = TritonAttentionBackend(decode_splits=splits, decode_workspace=workspace)
             self._decode_forward(bucket, backend)  # compiles the kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

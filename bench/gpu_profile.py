@@ -1,0 +1,110 @@
+"""Where a decode step's time goes: kernel times of one CUDA-graph replay, grouped by kind.
+
+Builds the engine on a dummy shape (llama-3-8b by default), brings `batch` requests of
+`context` prompt tokens to their decode phase, then profiles graph replays of that batch with
+torch.profiler and prints, per kernel kind (matmul, attention, norm, rotary/store, activation,
+other), the summed GPU time per step and, for the matmuls, their share of the weight-read floor.
+
+    PYTHONPATH=. python3 bench/gpu_profile.py --batch 1 256 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.sampling_params import SamplingParams
+
+KINDS = (("attention", ("decode", "extend", "attn")), ("rotary/store", ("rotary", "store")),
+         ("norm", ("rms", "norm")), ("activation", ("silu", "act")),
+         ("matmul", ("gemm", "gemv", "sm90", "cutlass", "cublas", "nvjet", "xmma")),
+         ("sampling", ("argmax", "reduce", "max")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_batch(engine: LLMEngine, batch: int, context: int, reps: int) -> dict:
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(1000, vocab - 1)
+                                             for _ in range(context)], params)
+    for _ in range(4):  # prefill, then a few decode steps
+        engine.step()
+    runner = engine.runner
+    bucket = runner.bucket_for(batch)
+    graph = runner.graphs[bucket].graph
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    names: dict[str, float] = defaultdict(float)
+    count = 0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            us = evt.device_time / reps
+            totals[kind_of(evt.name)] += us
+            names[evt.name[:90]] += us
+            count += 1
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay_us = start.elapsed_time(end) * 1e3 / reps
+    while engine.has_unfinished():
+        engine.step()
+    model = engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+    if model.lm_head is not None:  # the embedding is looked up, not read whole
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return {"batch": batch, "bucket": bucket, "context": context, "replay_us": replay_us,
+            "kernels_per_step": count / reps, "kernel_us_by_kind": dict(totals),
+            "kernel_us_sum": sum(totals.values()),
+            "top_kernels_us": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]),
+            "matrix_weight_bytes": weight_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--copy-tb-s", type=float, default=4.27, help="measured copy bandwidth")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=f"dummy:{args.shape}", dtype="bfloat16", device="cuda",
+                                    num_kv_blocks=12000, max_num_seqs=max(args.batch),
+                                    max_num_batched_tokens=8192, max_model_len=2048))
+    results = []
+    for b in args.batch:
+        r = profile_batch(engine, b, args.context, args.reps)
+        results.append(r)
+        floor_us = r["matrix_weight_bytes"] / (args.copy_tb_s * 1e12) * 1e6
+        print(f"batch {b}: replay {r['replay_us']:.0f} us, kernels {r['kernel_us_sum']:.0f} us "
+              f"in {r['kernels_per_step']:.0f} launches; weight-read floor {floor_us:.0f} us")
+        for kind, us in sorted(r["kernel_us_by_kind"].items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:14s} {us:9.1f} us")
+        for name, us in list(r["top_kernels_us"].items())[:8]:
+            print(f"    {us:9.1f} us  {name}")
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
