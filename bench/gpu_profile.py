@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -41,7 +42,10 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, reps: int) -> dic
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(1000, vocab - 1)
                                              for _ in range(context)], params)
-    for _ in range(4):  # prefill, then a few decode steps
+    started: set[str] = set()
+    while len(started) < batch:  # until every request decodes, then a few more steps
+        started.update(o.request_id for o in engine.step())
+    for _ in range(3):
         engine.step()
     runner = engine.runner
     bucket = runner.bucket_for(batch)
@@ -80,6 +84,42 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, reps: int) -> dic
             "matrix_weight_bytes": weight_bytes}
 
 
+def profile_ttft(engine: LLMEngine, cached: int, new: int, reps: int) -> dict:
+    """GPU kernels of a prompt whose first `cached` tokens are in the prefix cache (T6)."""
+    rng = random.Random(9)
+    vocab = engine.model_config.vocab_size
+    shared = [rng.randrange(1000, vocab - 1) for _ in range(cached)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def ttft(rid: str) -> None:
+        engine.add_request(rid, shared + [rng.randrange(1000, vocab - 1) for _ in range(new)],
+                           params)
+        while engine.has_unfinished():
+            engine.step()
+
+    ttft("warm0")
+    ttft("warm1")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            ttft(f"t{i}")
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    names: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[kind_of(evt.name)] += evt.device_time / reps
+            names[evt.name[:90]] += evt.device_time / reps
+    t = time.perf_counter()
+    for i in range(reps):
+        ttft(f"w{i}")
+    wall_us = (time.perf_counter() - t) / reps * 1e6
+    return {"cached": cached, "new": new, "wall_us": wall_us,
+            "kernel_us_sum": sum(totals.values()), "kernel_us_by_kind": dict(totals),
+            "top_kernels_us": dict(sorted(names.items(), key=lambda kv: -kv[1])[:12]),
+            "runner_steps": dict(engine.runner.steps)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3-8b")
@@ -103,6 +143,14 @@ def main() -> None:
             print(f"  {kind:14s} {us:9.1f} us")
         for name, us in list(r["top_kernels_us"].items())[:8]:
             print(f"    {us:9.1f} us  {name}")
+    r = profile_ttft(engine, 500, 100, args.reps)
+    results.append(r)
+    print(f"TTFT {r['cached']} cached + {r['new']} new: wall {r['wall_us']:.0f} us, "
+          f"kernels {r['kernel_us_sum']:.0f} us")
+    for kind, us in sorted(r["kernel_us_by_kind"].items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:14s} {us:9.1f} us")
+    for name, us in list(r["top_kernels_us"].items())[:8]:
+        print(f"    {us:9.1f} us  {name}")
     args.out.write_text(json.dumps(results, indent=1))
 
 

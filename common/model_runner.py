@@ -293,6 +293,7 @@ def gather_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_
     """pool[:, :, block_ids] as a new tensor. use_kernel: through kernels.block_copy, the CUDA
     path (index_select on dim 2 ran at 15% of copy bandwidth on the H200, the kernel at 94%);
     otherwise index_select, the CPU path."""
+    _check_block_ids(block_ids, pool)
     if not use_kernel:
         return pool.index_select(2, torch.tensor(block_ids, dtype=torch.int64,
                                                  device=pool.device))
@@ -309,6 +310,7 @@ def scatter_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv
                    *, use_kernel: bool) -> None:
     """pool[:, :, block_ids] = kv (converted to the pool's device and dtype); use_kernel as in
     gather_blocks."""
+    _check_block_ids(block_ids, pool)
     kv = kv.to(device=pool.device, dtype=pool.dtype)
     if not use_kernel:
         pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64, device=pool.device), kv)
@@ -322,11 +324,16 @@ def scatter_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv
     copy_blocks(kv.contiguous(), pool, kv_ids, pool_ids, block_dim=2)
 
 
+def _check_block_ids(block_ids: list[int], pool: torch.Tensor) -> None:
+    """On the host: the kernel would not notice a bad id, and on CUDA index_select would fail
+    later, asynchronously, with a device-side assert that poisons the process's context."""
+    if block_ids and not 0 <= min(block_ids) <= max(block_ids) < pool.shape[2]:
+        raise IndexError(f"block ids outside [0, {pool.shape[2]})")
+
+
 def _block_ids_up(block_ids: list[int], pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(block_ids, 0..n-1) as int64 on the pool's device: one copy from pinned memory, which does
-    not wait for the device. The ids are range-checked here: the kernel would not notice."""
-    if any(not 0 <= b < pool.shape[2] for b in block_ids):
-        raise IndexError(f"block ids outside [0, {pool.shape[2]})")
+    not wait for the device (the ids were range-checked by _check_block_ids)."""
     on_cuda = pool.device.type == "cuda"
     host = torch.tensor([list(block_ids), list(range(len(block_ids)))], dtype=torch.int64,
                         pin_memory=on_cuda)
