@@ -126,7 +126,7 @@ def test_back_to_back_calls_share_one_workspace(device: str, fused: bool, make_p
     k_cache, v_cache, tables = make_paged(lens, 4, 2, 32, F32, device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     ws = DecodeWorkspace.allocate(4, 8, 32, 5, device)
-    config = DecodeConfig(block_n=8, fused_merge=fused)
+    config = DecodeConfig(block_n=16, fused_merge=fused)
     for rows, splits in ((4, 5), (4, 5), (3, 2), (4, 4)):
         q = torch.randn(rows, 8, 32, device=device)
         out = torch.full_like(q, float("nan"))
