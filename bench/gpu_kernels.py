@@ -228,10 +228,18 @@ def extend_case(batch: int, q_len: int, prefix: int, configs: list[ExtendConfig]
     return rows
 
 
+SHORT_EXTEND_CONFIGS = [ExtendConfig(m, n, w, s) for m, n, w, s in (
+    (16, 64, 4, 2), (16, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (16, 64, 2, 3))]
+
+
 def extend_bench(sweep: bool) -> list[dict]:
     configs = ([ExtendConfig(m, n, w, 2) for m, n, w in itertools.product(
         (64, 128), (32, 64), (4, 8))] if sweep else [ExtendConfig()])
-    return extend_case(8, 512, 0, configs) + extend_case(8, 512, 2048, configs)
+    # T6's step: 100 new tokens after a 500-token cached prefix; few query tiles, so the tile
+    # height decides how many programs share the work.
+    return (extend_case(8, 512, 0, configs) + extend_case(8, 512, 2048, configs)
+            + extend_case(1, 100, 500, SHORT_EXTEND_CONFIGS)
+            + extend_case(4, 32, 1024, SHORT_EXTEND_CONFIGS))
 
 
 def print_decode_table(title: str, rows: list[dict]) -> None:
@@ -281,7 +289,9 @@ def main() -> None:
     default = ExtendConfig()
     shown = f"{default.block_m}/{default.block_n}/{default.num_warps}/{default.num_stages}"
     best = sorted(result["extend"], key=lambda r: -r["tflops"])
-    for r in [r for r in result["extend"] if r["config"] in (shown, "torch_sdpa")] + best[:4]:
+    short = [r for r in result["extend"] if r["q_len"] < 512]
+    for r in ([r for r in result["extend"] if r["config"] in (shown, "torch_sdpa")
+               and r["q_len"] == 512] + best[:4] + short):
         print(f"extend B={r['batch']} q={r['q_len']} prefix={r['prefix']} {r['config']} "
               f"(m/n/warps/stages): {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s")
     for r in result["block_copy"]:

@@ -52,6 +52,18 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return sorted({*sizes, max_tokens}) if max_tokens > 0 else []
 
 
+PREFILL_GRAPH_FEW_SEQS = 16  # the small sequence bucket of the prefill graphs
+
+
+def prefill_graph_shapes(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the prefill/mixed graphs. Two sequence buckets: the extend kernel
+    runs a program per query tile plus one per sequence row, each locating its sequence by a
+    binary search over the rows, so padding a 1-sequence step to max_seqs rows costs it more
+    than the attention itself (measured 45 vs 24 us per layer for 100 new tokens)."""
+    seqs = sorted({min(PREFILL_GRAPH_FEW_SEQS, max_seqs), max_seqs})
+    return [(t, s) for t in prefill_buckets(max_tokens) for s in seqs if s <= t or s == seqs[0]]
+
+
 def make_runner(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                 device: torch.device, dtype: torch.dtype,
                 kv_cache_allocator: KVAllocator | None = None, *,
@@ -124,7 +136,7 @@ class CudaGraphRunner(ModelRunner):
         # Prefill / mixed steps, by token count: below ~1k tokens an eager 8B-shape step costs
         # more in launches (~300 of them) than on the GPU. Every sequence row up to max_seqs is
         # in the graph (unused ones have no tokens), and all rows go through the extend kernel.
-        self.prefill_graphs: dict[int, _Graph] = {}
+        self.prefill_graphs: dict[tuple[int, int], _Graph] = {}  # by (tokens, sequences)
         self.prefill_graph_tokens = min(config.cuda_graph_prefill_tokens, self.max_tokens)
         self.steps = {"graph": 0, "prefill_graph": 0, "eager": 0, "fallback": 0}
         if use_cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
@@ -145,7 +157,8 @@ class CudaGraphRunner(ModelRunner):
             self._uploaded.synchronize()
         sampling = [i for i, s in enumerate(items) if s.samples]
         bucket = self.bucket_for(len(items)) if num_tokens == len(items) else None  # decode only
-        prefill_bucket = (next((t for t in sorted(self.prefill_graphs) if t >= num_tokens), None)
+        prefill_bucket = (next((key for key in sorted(self.prefill_graphs)
+                                if key[0] >= num_tokens and key[1] >= len(items)), None)
                           if bucket is None else None)
         if bucket is not None:
             self.steps["graph"] += 1
@@ -243,14 +256,15 @@ class CudaGraphRunner(ModelRunner):
                                     self.placeholder_src.put(src))
         return None, qsl  # the graph holds its own metadata
 
-    def _replay_prefill(self, items: list[ScheduledSeq], width: int, tokens: int,
+    def _replay_prefill(self, items: list[ScheduledSeq], width: int, shape: tuple[int, int],
                         sampling: list[int]) -> torch.Tensor | None:
         # Rows of the block table past len(items) keep stale ids: their sequences have no
         # tokens and seq_len 0, so nothing reads them.
-        _, qsl = self._stage(items, width, self.max_seqs, pad_tokens_to=tokens)
+        tokens, seqs = shape
+        _, qsl = self._stage(items, width, seqs, pad_tokens_to=tokens)
         rows = self.logit_rows.put([qsl[i + 1] - 1 for i in sampling]) if sampling else None
         self._record_upload()
-        g = self.prefill_graphs[tokens]
+        g = self.prefill_graphs[shape]
         g.graph.replay()
         if rows is None:
             return None
@@ -296,8 +310,7 @@ class CudaGraphRunner(ModelRunner):
                             self.kv_cache, meta, backend)
         return self.model.compute_logits(hidden)
 
-    def _prefill_forward(self, tokens: int, backend: AttentionBackend) -> torch.Tensor:
-        s = self.max_seqs
+    def _prefill_forward(self, tokens: int, s: int, backend: AttentionBackend) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.dev[:tokens],
             query_start_loc=self.query_start_loc.dev[:s + 1],
@@ -324,14 +337,15 @@ class CudaGraphRunner(ModelRunner):
         self.slot_mapping.dev.fill_(-1)
         self.query_start_loc.dev.zero_()
         prefill_backend = TritonAttentionBackend()
-        for tokens in reversed(prefill_buckets(self.prefill_graph_tokens)):
-            self._prefill_forward(tokens, prefill_backend)  # compiles outside the capture
+        for tokens, seqs in reversed(prefill_graph_shapes(self.prefill_graph_tokens,
+                                                          self.max_seqs)):
+            self._prefill_forward(tokens, seqs, prefill_backend)  # compiles outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self._prefill_forward(tokens, prefill_backend)
+                hidden = self._prefill_forward(tokens, seqs, prefill_backend)
             pool = graph.pool()
-            self.prefill_graphs[tokens] = _Graph(graph, hidden)
+            self.prefill_graphs[tokens, seqs] = _Graph(graph, hidden)
         self.query_start_loc.dev[:biggest + 1].copy_(
             torch.arange(biggest + 1, dtype=torch.int32, device=self.device))
         for bucket in reversed(decode_buckets(self.max_seqs)):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+import common.cuda_runner
 from common.config import EngineConfig
-from common.cuda_runner import CudaGraphRunner, _Graph, prefill_buckets
+from common.cuda_runner import CudaGraphRunner, _Graph, prefill_buckets, prefill_graph_shapes
 from common.engine import LLMEngine
 from common.sampling_params import SamplingParams
 
@@ -19,6 +21,9 @@ def test_prefill_buckets():
     assert prefill_buckets(0) == []
     assert prefill_buckets(100) == [16, 32, 64, 100]
     assert prefill_buckets(1024) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+    assert prefill_graph_shapes(100, 4) == [(16, 4), (32, 4), (64, 4), (100, 4)]
+    assert prefill_graph_shapes(64, 256) == [(16, 16), (32, 16), (64, 16)]
+    assert prefill_graph_shapes(512, 256)[-3:] == [(384, 256), (512, 16), (512, 256)]
 
 
 class ForwardAgain:
@@ -39,13 +44,15 @@ def _engine(prefill_graphs: bool) -> LLMEngine:
     engine = LLMEngine(cfg, runner_factory=CudaGraphRunner)
     runner = engine.runner
     if prefill_graphs:
-        for tokens in prefill_buckets(runner.max_tokens):
-            fake = ForwardAgain(lambda t=tokens: runner._prefill_forward(t, runner.backend))
-            runner.prefill_graphs[tokens] = _Graph(fake, fake.output)
+        for shape in prefill_graph_shapes(runner.max_tokens, runner.max_seqs):
+            fake = ForwardAgain(lambda s=shape: runner._prefill_forward(*s, runner.backend))
+            runner.prefill_graphs[shape] = _Graph(fake, fake.output)
     return engine
 
 
-def test_padded_prefill_graphs_give_the_same_tokens():
+@pytest.mark.parametrize("few_seqs", [16, 2])  # one sequence bucket (max_num_seqs 4), or two
+def test_padded_prefill_graphs_give_the_same_tokens(few_seqs: int, monkeypatch):
+    monkeypatch.setattr(common.cuda_runner, "PREFILL_GRAPH_FEW_SEQS", few_seqs)
     torch.set_num_threads(1)
     rng = random.Random(5)
     shared = [rng.randrange(3, 500) for _ in range(9)]
@@ -59,4 +66,5 @@ def test_padded_prefill_graphs_give_the_same_tokens():
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     steps = engine.runner.steps
     assert steps["prefill_graph"] > 0 and steps["eager"] == 0
+    assert len({seqs for _, seqs in engine.runner.prefill_graphs}) == (2 if few_seqs == 2 else 1)
     assert engine.block_manager.num_used_blocks == 0
