@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=index,name --format=csv,noheader
 
 SHAPE="${SHAPE:-llama-3-8b}"
 FLAGS="--dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 2048"
-FLAGS="$FLAGS --cuda-graph-prefill-tokens 512"
+FLAGS="$FLAGS --cuda-graph-prefill-tokens 512 --log-level debug"
 run_case() {  # name, prefill device, decode device
     echo "== $1: prefill on $2, decode on $3 ($(date +%T))"
     rm -rf /tmp/stack-latency-*
@@ -31,6 +31,7 @@ run_case() {  # name, prefill device, decode device
         --engine-flags="$FLAGS" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
     rc=$?
     tail -9 "/tmp/disagg_$1.log"
+    grep -h "handoff .*ms" /tmp/stack-latency-*/*.log | tail -4
     if [ $rc -ne 0 ]; then
         echo "-- rc $rc; service logs:"
         tail -n 25 /tmp/stack-latency-*/*.log

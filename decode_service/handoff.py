@@ -56,8 +56,10 @@ class HandoffPuller:
         if desc is None:
             self.metrics.handoff_failures("gone").inc()
             raise HandoffFailed(f"handoff {handoff_id} is gone or claimed by another service")
+        claimed = time.monotonic()
         blocks = await asyncio.wrap_future(
             self.loop.call(lambda e: e.reserve_blocks(len(desc.block_ids))))
+        reserved = time.monotonic()
         self.pending.add(handoff_id)
         pool = self.loop.engine.kv_cache
         transfer = asyncio.get_running_loop().run_in_executor(
@@ -66,6 +68,7 @@ class HandoffPuller:
         keep = False
         try:
             name = await asyncio.shield(transfer)
+            pulled = time.monotonic()
             renewal.cancel()
             self.transports_used[name] = self.transports_used.get(name, 0) + 1
             if not await self._complete(handoff_id):
@@ -73,8 +76,11 @@ class HandoffPuller:
                 raise HandoffFailed(f"handoff {handoff_id}: the lease ran out during the pull")
             keep = True
             block_bytes = pool.numel() // pool.shape[2] * pool.element_size()
-            self.metrics.observe_handoff(name, len(blocks) * block_bytes,
-                                         time.monotonic() - start)
+            done = time.monotonic()
+            self.metrics.observe_handoff(name, len(blocks) * block_bytes, done - start)
+            log.debug("handoff %s via %s: claim %.2f ms, reserve %.2f ms, pull+verify %.2f ms, "
+                      "confirm %.2f ms", handoff_id, name, 1e3 * (claimed - start),
+                      1e3 * (reserved - claimed), 1e3 * (pulled - reserved), 1e3 * (done - pulled))
             return blocks
         except TransferError as e:
             self.metrics.handoff_failures("transfer").inc()

@@ -75,7 +75,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             start = time.monotonic()
             desc = await asyncio.to_thread(self.source.describe, rid, final.held_block_ids,
                                            len(prompt), final.block_hashes)
+            described = time.monotonic()
             await asyncio.to_thread(self.instance.registry.publish_handoff, desc, self.lease_s)
+            log.debug("handoff %s: describe (checksum) %.2f ms, publish %.2f ms", rid,
+                      1e3 * (described - start), 1e3 * (time.monotonic() - described))
             # Watched only once published: before that its record reads as expired.
             self.holds.add(rid)
             self.metrics.handoffs.inc()

@@ -28,17 +28,26 @@ def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
     check_pool(pool)
     if (pool.shape[-1] * pool.element_size()) % 4:
         raise ValueError(f"head_dim * itemsize must be a multiple of 4 bytes, pool {pool.shape}")
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
+    if pool.is_cuda and pool.is_contiguous():
+        from kernels.block_sums import block_sums  # CPU-only processes never load Triton
+        with torch.cuda.device(pool.device):  # Triton launches on the current device
+            sums = block_sums(pool, index)
+    else:
+        sums = block_sums_torch(pool, index)
+    weight = torch.arange(1, len(block_ids) + 1, dtype=torch.int64, device=pool.device)
+    return int((weight * (sums[:, 0] + _MIX * sums[:, 1])).sum().item())
+
+
+def block_sums_torch(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[n, 2] int64: (sum of words, sum of squared words) of each listed block, in passes of
+    at most _CHUNK_BYTES of gathered blocks (the CPU path, and the GPU kernel's reference)."""
     block_bytes = pool[:, :, 0].numel() * pool.element_size()
     per_pass = max(1, _CHUNK_BYTES // block_bytes)
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
-    total = torch.zeros((), dtype=torch.int64, device=pool.device)
-    for start in range(0, len(block_ids), per_pass):
+    parts = [torch.zeros(0, 2, dtype=torch.int64, device=pool.device)]
+    for start in range(0, index.numel(), per_pass):
         blocks = pool.index_select(BLOCK_AXIS, index[start:start + per_pass])  # contiguous copy
         words = blocks.view(torch.int32).to(torch.int64)
         dims = (0, 1, 3, 4, 5)
-        s = words.sum(dim=dims)
-        q = (words * words).sum(dim=dims)
-        weight = torch.arange(start + 1, start + 1 + s.numel(), dtype=torch.int64,
-                              device=pool.device)
-        total += (weight * (s + _MIX * q)).sum()
-    return int(total.item())
+        parts.append(torch.stack([words.sum(dim=dims), (words * words).sum(dim=dims)], dim=1))
+    return torch.cat(parts)

@@ -14,6 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("decode")
+    setup_logging("decode", args.log_level.upper())
     from decode_service.server import serve  # imports torch and the engine: after logging
     return run_service(serve, DecodeConfig, args)

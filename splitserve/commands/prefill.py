@@ -14,6 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("prefill")
+    setup_logging("prefill", args.log_level.upper())
     from prefill_service.server import serve  # imports torch and the engine: after logging
     return run_service(serve, PrefillConfig, args)

@@ -23,6 +23,10 @@ def add_service_arguments(parser: argparse.ArgumentParser, config_cls: type[C],
     add_dataclass_args(config_cls, parser, title)
     EngineConfig.add_cli_args(parser)
     TlsConfig.add_cli_args(parser)
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"),
+                        help="log records at this level and above (debug adds per-handoff "
+                             "timings)")
 
 
 def run_service(serve: Serve[C], config_cls: type[C], args: argparse.Namespace) -> int:

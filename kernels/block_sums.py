@@ -1,0 +1,65 @@
+"""Per-block integer sums of KV blocks in one pass over the pool: the handoff checksum's GPU path.
+
+For block j of the list, over every 32-bit word w of its bytes (all layers, K and V):
+
+    s_j = sum(w)      q_j = sum(w * w)      in int64, wrapping mod 2**64
+
+which the torch path of common.kv_transport.checksum computes with a gathered copy and int64
+temporaries of every word (its reference; tests/kernels/test_block_sums.py compares the two). One program reads one chunk of one block for one (layer, K/V) index and adds its two
+partial sums to the block's totals with atomics; integer addition is associative mod 2**64, so
+the result does not depend on the order and equals the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import cdiv, check_tensor
+
+CHUNK = 2048  # words per program
+
+
+@triton.jit
+def _block_sums_kernel(
+    words_ptr,             # [OUTER, num_blocks, INNER] int32
+    ids_ptr,               # [n] int64
+    sums_ptr,              # [n, 2] int64, zero at launch
+    stride_outer, stride_block,
+    INNER: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = pid // CHUNKS
+    offs = (pid % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
+    outer = tl.program_id(1).to(tl.int64)
+    block = tl.load(ids_ptr + j)
+    w = tl.load(words_ptr + outer * stride_outer + block * stride_block + offs,
+                mask=offs < INNER, other=0).to(tl.int64)
+    tl.atomic_add(sums_ptr + 2 * j, tl.sum(w, axis=0))
+    tl.atomic_add(sums_ptr + 2 * j + 1, tl.sum(w * w, axis=0))
+
+
+def block_sums(pool: torch.Tensor,   # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+               block_ids: torch.Tensor,  # [n] int64, on the pool's device, in range
+               ) -> torch.Tensor:        # [n, 2] int64: (s_j, q_j)
+    """(s_j, q_j) per listed block. The pool must be contiguous and its last dimension a whole
+    number of 32-bit words."""
+    check_tensor("pool", pool, dim=6)
+    if not pool.is_contiguous():
+        raise ValueError("block_sums needs a contiguous pool")
+    if (pool.shape[-1] * pool.element_size()) % 4:
+        raise ValueError(f"head_dim * itemsize must be a multiple of 4 bytes, pool {pool.shape}")
+    check_tensor("block_ids", block_ids, dim=1, dtypes=(torch.int64,), device=pool.device)
+    layers, kv, num_blocks = pool.shape[:3]
+    words = pool.view(torch.int32).view(layers * kv, num_blocks, -1)
+    inner = words.shape[2]
+    n = block_ids.shape[0]
+    sums = torch.zeros(n, 2, dtype=torch.int64, device=pool.device)
+    if n == 0:
+        return sums
+    chunks = cdiv(inner, CHUNK)
+    _block_sums_kernel[(n * chunks, layers * kv)](
+        words, block_ids, sums, words.stride(0), words.stride(1),
+        INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, num_warps=4)
+    return sums

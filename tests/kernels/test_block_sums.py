@@ -1,0 +1,42 @@
+"""kernels.block_sums against the checksum's torch path: equal bit for bit (integer sums)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kv_transport.checksum import block_sums_torch, kv_checksum
+from kernels.block_sums import block_sums
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_sums_equal_torch(device: str, dtype: torch.dtype):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("CUDA present: Triton compiles for it, the interpreter is off")
+    torch.manual_seed(0)
+    # [layers, 2, blocks, block_size, kv_heads, head_dim]; large values exercise the wrapping.
+    pool = (torch.randn(3, 2, 9, 4, 2, 16) * 1e30).to(dtype).to(device)
+    ids = torch.tensor([5, 0, 8, 5, 2], dtype=torch.int64, device=device)
+    got = block_sums(pool, ids)
+    assert torch.equal(got.cpu(), block_sums_torch(pool.cpu(), ids.cpu()))
+    assert block_sums(pool, ids[:0]).shape == (0, 2)
+
+
+def test_block_sums_refuses_odd_pools():
+    with pytest.raises(ValueError, match="contiguous"):
+        block_sums(torch.zeros(2, 2, 3, 4, 2, 16).transpose(0, 1), torch.tensor([0]))
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        block_sums(torch.zeros(2, 2, 3, 4, 2, 3, dtype=torch.bfloat16), torch.tensor([0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checksum_same_on_gpu_and_cpu():
+    pool = torch.randn(4, 2, 20, 16, 8, 128, dtype=torch.bfloat16)
+    ids = [3, 17, 0, 9]
+    assert kv_checksum(pool.cuda(), ids) == kv_checksum(pool, ids)
