@@ -19,6 +19,19 @@ from protos.splitserve.v1 import generation_pb2_grpc
 print("imports ok: grpc", grpc.__version__, "protobuf", google.protobuf.__version__)' || exit 1
 nvidia-smi --query-gpu=index,name --format=csv,noheader
 
+echo "== checksum of a 512-token prompt's blocks (32 x 2 MiB, llama-3-8b shape), alone"
+python3 - <<'PY'
+import time, torch
+from common.kv_transport.checksum import kv_checksum
+pool = torch.randn(32, 2, 2048, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+ids = list(range(100, 132))
+kv_checksum(pool, ids)
+for _ in range(3):
+    torch.cuda.synchronize(); t = time.perf_counter(); kv_checksum(pool, ids)
+    print(f"kv_checksum: {1e3 * (time.perf_counter() - t):.3f} ms")
+PY
+python3 -m pytest -q -p no:cacheprovider tests/kernels/test_block_sums.py 2>&1 | tail -1
+
 SHAPE="${SHAPE:-llama-3-8b}"
 FLAGS="--dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 2048"
 FLAGS="$FLAGS --cuda-graph-prefill-tokens 512 --log-level debug"
@@ -31,7 +44,10 @@ run_case() {  # name, prefill device, decode device
         --engine-flags="$FLAGS" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
     rc=$?
     tail -9 "/tmp/disagg_$1.log"
-    grep -h "handoff .*ms" /tmp/stack-latency-*/*.log | tail -4
+    for role in prefill decode; do
+        grep -h "handoff .*ms" "$(ls -d /tmp/stack-latency-* | head -1)/$role.log" | tail -3 \
+            | sed 's/.*DEBUG //'
+    done
     if [ $rc -ne 0 ]; then
         echo "-- rc $rc; service logs:"
         tail -n 25 /tmp/stack-latency-*/*.log
