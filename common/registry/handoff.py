@@ -104,8 +104,15 @@ class HandoffStore:
         return self._complete(keys=keys, args=[self._done_ttl_ms, claimer or ""]) == 1
 
     def cancel_handoff(self, request_id: str) -> bool:
-        """Prefill side withdraws a handoff (request aborted); reads as EXPIRED afterwards."""
-        return self._r.delete(self._keys.handoff(request_id)) == 1
+        """Prefill side withdraws a handoff (request aborted); reads as EXPIRED afterwards. A
+        done marker goes too: a confirmation that raced the withdrawal would otherwise leave one
+        that no poll reaps (the source releases the blocks itself). True if the record was
+        still there."""
+        with self._r.pipeline() as pipe:  # MULTI/EXEC: both keys or neither
+            pipe.delete(self._keys.handoff(request_id))
+            pipe.delete(self._keys.done(request_id))
+            deleted, _ = pipe.execute()
+        return deleted == 1
 
     def handoff_exists(self, request_id: str) -> bool:
         return self._r.exists(self._keys.handoff(request_id)) == 1

@@ -113,6 +113,16 @@ def test_cancel_withdraws_a_handoff(registry: BlockRegistry) -> None:
     assert registry.reap_handoffs(["r1"]) == {"r1": HandoffState.EXPIRED}
 
 
+def test_cancel_after_a_racing_confirmation_leaves_no_marker(registry: BlockRegistry) -> None:
+    """The source read the record as pending and withdraws it, but the decode side confirmed in
+    between: the done marker must not outlive the withdrawal (no poll would reap it)."""
+    registry.publish_handoff(_desc("r1"), lease_ttl_s=10)
+    assert registry.claim_handoff("r1", "d1") is not None
+    assert registry.complete_handoff("r1", claimer="d1") is True
+    assert registry.cancel_handoff("r1") is False  # the record was gone already
+    assert registry.namespace_keys() == []
+
+
 def test_clear_instance_leaves_the_namespace_empty(registry: BlockRegistry) -> None:
     ns = registry.namespace
     for iid in ("p1", "p2"):
