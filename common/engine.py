@@ -37,9 +37,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(slots=True)
 class Prefilled:
-    """The decode side of a handoff: the prompt's KV is already in block_ids (reserved with
-    reserve_blocks and filled by the transport), and the first token was sampled upstream."""
-    block_ids: list[int]
+    """A request whose first token was sampled upstream (by a prefill service). block_ids: the
+    blocks holding the prompt's KV (reserved with reserve_blocks and filled by the transport),
+    or None when the KV could not be brought over and is recomputed here. Either way the first
+    token is an output (stop strings, penalties, seeds, min/max tokens see it)."""
+    block_ids: list[int] | None
     first_token_id: int
 
 
@@ -184,20 +186,21 @@ class LLMEngine:
                 IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                        params.skip_special_tokens),
                 StopChecker(params.stop, params.include_stop_str_in_output))
+        reason = None
         if prefilled is not None:
-            if len(prefilled.block_ids) * self.config.block_size < len(prompt_token_ids):
-                raise InvalidRequestError("prefilled blocks are too few for the prompt")
-            seq.block_table = list(prefilled.block_ids)
-            seq.num_computed_tokens = len(prompt_token_ids)
-            seq.first_scheduled_time = seq.first_token_time = seq.arrival_time
+            if prefilled.block_ids is not None:
+                if len(prefilled.block_ids) * self.config.block_size < len(prompt_token_ids):
+                    raise InvalidRequestError("prefilled blocks are too few for the prompt")
+                seq.block_table = list(prefilled.block_ids)
+                seq.num_computed_tokens = len(prompt_token_ids)
+                seq.first_scheduled_time = seq.arrival_time
+            seq.first_token_time = seq.arrival_time
             _, reason = self._append(seq, prefilled.first_token_id)
-            if reason is not None:  # the first token already ended it: report at the next step
-                self.seqs[request_id] = seq
-                self._finish(seq, reason)
-                self._pending.append(self._output(seq, [], "", None, time.monotonic()))
-                return
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        if reason is not None:  # the first token already ended it: report at the next step
+            self._finish(seq, reason)
+            self._pending.append(self._output(seq, [], "", None, time.monotonic()))
 
     def abort(self, request_id: str) -> bool:
         if self.release_held(request_id):

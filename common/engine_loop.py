@@ -96,7 +96,7 @@ class EngineLoop:
             try:
                 engine.add_request(request_id, prompt_token_ids, params, prefilled)
             except BaseException:
-                if prefilled is not None:
+                if prefilled is not None and prefilled.block_ids is not None:
                     engine.free_blocks(prefilled.block_ids)
                 raise
             self._sinks[request_id] = sink

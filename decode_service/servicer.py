@@ -8,7 +8,6 @@ the prompt, so the stream still continues after the first token.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -84,9 +83,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return Prefilled(blocks, handoff.first_token_id), prompt, params
         except HandoffFailed as e:
             log.warning("request %s: %s; recomputing its prompt here", request.request_id, e)
-        recompute = dataclasses.replace(params, max_tokens=params.max_tokens - 1,
-                                        min_tokens=max(0, params.min_tokens - 1))
-        return None, [*prompt, handoff.first_token_id], recompute
+        # The first token stays an output: stop strings, penalties and seeds see what they
+        # would have seen after a successful handoff.
+        return Prefilled(None, handoff.first_token_id), prompt, params
 
     async def Abort(self, request: types_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> types_pb2.AbortResponse:
