@@ -184,9 +184,10 @@ class CudaGraphRunner(ModelRunner):
 
     def _stage(self, items: list[ScheduledSeq], width: int, pad_to: int, *,
                pad_tokens_to: int = 0) -> tuple[AttentionMetadata, list[int]]:
-        """Uploads the step's inputs; with pad_to > len(items), adds padding rows (decode: one
-        token each; with pad_tokens_to: no tokens, and the tokens are padded to pad_tokens_to).
-        Returns the metadata on the device buffers and the query start locations."""
+        """Uploads the step's inputs, with pad_to - len(items) padding rows: one token each
+        (decode graphs), or, with pad_tokens_to, no tokens, the tokens padded to pad_tokens_to
+        (prefill graphs). Padding writes no K/V (slot -1) and reads none (context 0). Returns
+        the metadata on the device buffers and the query start locations of the real rows."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -205,63 +206,43 @@ class CudaGraphRunner(ModelRunner):
             lens.append(end)
             rows += table
             rows += [0] * (width - len(table))
-        pad = pad_to - len(items)
-        n = len(items)
+        n, pad = len(items), pad_to - len(items)
         if pad_tokens_to:
-            return self._stage_prefill_padding(items, width, pad_to, pad_tokens_to, ids,
-                                               positions, slots, qsl, lens, rows)
+            extra = pad_tokens_to - qsl[-1]
+            padded_qsl = qsl + [qsl[-1]] * pad
+        else:
+            extra = pad
+            padded_qsl = qsl + list(range(qsl[-1] + 1, qsl[-1] + pad + 1))
+        dst, src = placeholder_rows(items)
+        for row in dst:  # decode rows come first: row == token index
+            ids[row] = 0
         # Whole rows go up (one contiguous copy). Entries past `width` are stale but valid block
         # ids, and the kernels read no token past seq_lens, so they are never used.
         self.block_tables.host[:n, :width] = torch.tensor(rows, dtype=torch.int32).view(n, width)
         self.block_tables.dev[:pad_to].copy_(self.block_tables.host[:pad_to], non_blocking=True)
+        num_decodes = sum(1 for s in items if s.num_new_tokens == 1) + (0 if pad_tokens_to else pad)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping.put(slots + [-1] * pad),
-            query_start_loc=self.query_start_loc.put(qsl + list(range(qsl[-1] + 1,
-                                                                       qsl[-1] + pad + 1))),
+            slot_mapping=self.slot_mapping.put(slots + [-1] * extra),
+            query_start_loc=self.query_start_loc.put(padded_qsl),
             seq_lens=self.seq_lens.put(lens + [0] * pad),
             block_tables=self.block_tables.dev[:pad_to, :width],
-            num_decodes=sum(1 for s in items if s.num_new_tokens == 1) + pad,
-            num_decode_tokens=sum(1 for s in items if s.num_new_tokens == 1) + pad,
+            num_decodes=num_decodes, num_decode_tokens=num_decodes,
             max_query_len=max(s.num_new_tokens for s in items),
             max_seq_len=max(lens),
         )
-        dst, src = placeholder_rows(items)
-        for row in dst:  # decode rows come first: row == token index
-            ids[row] = 0
-        self.input_ids.put(ids + [0] * pad)
-        self.positions.put(positions + [0] * pad)
+        self.input_ids.put(ids + [0] * extra)
+        self.positions.put(positions + [0] * extra)
         if dst:
             self._fill_placeholders(self.input_ids.dev, self.placeholder_dst.put(dst),
                                     self.placeholder_src.put(src))
         return meta, qsl
-
-    def _stage_prefill_padding(self, items: list[ScheduledSeq], width: int, pad_to: int,
-                               pad_tokens_to: int, ids: list[int], positions: list[int],
-                               slots: list[int], qsl: list[int], lens: list[int],
-                               rows: list[int]) -> tuple[AttentionMetadata, list[int]]:
-        n, num_tokens = len(items), qsl[-1]
-        extra = pad_tokens_to - num_tokens
-        self.block_tables.host[:n, :width] = torch.tensor(rows, dtype=torch.int32).view(n, width)
-        self.block_tables.dev[:n].copy_(self.block_tables.host[:n], non_blocking=True)
-        dst, src = placeholder_rows(items)
-        for row in dst:
-            ids[row] = 0
-        self.input_ids.put(ids + [0] * extra)
-        self.positions.put(positions + [0] * extra)
-        self.slot_mapping.put(slots + [-1] * extra)
-        self.query_start_loc.put(qsl + [num_tokens] * (pad_to - n))
-        self.seq_lens.put(lens + [0] * (pad_to - n))
-        if dst:
-            self._fill_placeholders(self.input_ids.dev, self.placeholder_dst.put(dst),
-                                    self.placeholder_src.put(src))
-        return None, qsl  # the graph holds its own metadata
 
     def _replay_prefill(self, items: list[ScheduledSeq], width: int, shape: tuple[int, int],
                         sampling: list[int]) -> torch.Tensor | None:
         # Rows of the block table past len(items) keep stale ids: their sequences have no
         # tokens and seq_len 0, so nothing reads them.
         tokens, seqs = shape
-        _, qsl = self._stage(items, width, seqs, pad_tokens_to=tokens)
+        _, qsl = self._stage(items, width, seqs, pad_tokens_to=tokens)  # the graph has its meta
         rows = self.logit_rows.put([qsl[i + 1] - 1 for i in sampling]) if sampling else None
         self._record_upload()
         g = self.prefill_graphs[shape]
