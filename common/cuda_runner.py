@@ -176,7 +176,7 @@ class CudaGraphRunner(ModelRunner):
         if logits is None:
             return PendingStep([])
         seqs = [items[i].seq for i in sampling]
-        return PendingStep(seqs, self.sampler.sample(logits, seqs))
+        return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds n rows (None: no graph fits)."""

@@ -322,12 +322,12 @@ class LLMEngine:
 
     def _add_placeholders(self, pending: PendingStep) -> None:
         """Overlap: each sequence that sampled in the step just launched, and may go on, gets a
-        placeholder for that token, so the next schedule() gives it a decode row. Sequences
-        whose next step needs the token's value on the host (penalties), that hand their
-        blocks off when they end, or that this token surely ends, wait for the real token."""
+        placeholder for that token, so the next schedule() gives it a decode row (penalties
+        read the token on the device). Sequences that hand their blocks off when they end, or
+        that this token surely ends, wait for the real token."""
         for row, seq in enumerate(pending.seqs):
             p = seq.params
-            if (seq.is_finished or p.hold_blocks or p.needs_penalties
+            if (seq.is_finished or p.hold_blocks
                     or seq.num_output_tokens + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
                 continue

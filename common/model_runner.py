@@ -239,7 +239,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx] if len(rows) < end else hidden)
         seqs = [s.seq for s in sampling]
         if not any(s.spec_token_ids for s in sampling):
-            return PendingStep(seqs, self.sampler.sample(logits, seqs))
+            return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
         return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs or {}))
 
     def _verify(self, sampling: list[ScheduledSeq], logits: torch.Tensor,

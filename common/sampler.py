@@ -82,8 +82,11 @@ class Sampler:
         # logits: [num_seqs, vocab] float32; row i belongs to seqs[i]
         return self.sample(logits, seqs).result()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
-        """As __call__, without waiting for the device."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               previous: torch.Tensor | None = None) -> DeviceSample:
+        """As __call__, without waiting for the device. previous: the tokens the step before
+        sampled, on the device, which placeholder outputs (-(1 + row), overlap scheduling)
+        stand for; penalties read them there."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
         if not seqs:
@@ -94,7 +97,7 @@ class Sampler:
         if masked:
             _mask_stop_tokens(work, [seqs[i] for i in masked], masked)
         if penalised:
-            _apply_penalties(work, [seqs[i] for i in penalised], penalised)
+            _apply_penalties(work, [seqs[i] for i in penalised], penalised, previous)
         tokens = self._pick_tokens(work, seqs)
         return _collect(logits, tokens, seqs)
 
@@ -165,23 +168,32 @@ def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], rows: list[int
         logits.view(-1).index_fill_(0, _to_device(flat, torch.long, logits.device), float("-inf"))
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                     previous: torch.Tensor | None = None) -> None:
     """In place on the given rows: repetition penalty over prompt + output tokens (HF: divide a
     positive logit, multiply a negative one), then frequency * count and presence * (count > 0)
-    over output tokens subtracted (OpenAI)."""
+    over output tokens subtracted (OpenAI). An output that is a placeholder is read from
+    `previous` on the device."""
     device, vocab = logits.device, logits.shape[1]
     # Flat positions row * vocab + token in the [len(seqs), vocab] penalty tensors.
-    out_flat = [j * vocab + t for j, seq in enumerate(seqs) for t in seq.output_token_ids]
+    out_flat = [j * vocab + t for j, seq in enumerate(seqs) for t in seq.output_token_ids
+                if t >= 0]
     prompt_flat = [j * vocab + t for j, seq in enumerate(seqs) for t in seq.prompt_token_ids]
+    pending = [(j, -t - 1) for j, seq in enumerate(seqs) for t in seq.output_token_ids if t < 0]
     factors = _to_device(
         [[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
          for s in seqs], torch.float32, device)
     out_index = _to_device(out_flat, torch.long, device)
-    seen_index = _to_device(prompt_flat + out_flat, torch.long, device)
+    if pending:
+        if previous is None:
+            raise ValueError("placeholder outputs need the previous step's tokens")
+        where = _to_device(pending, torch.long, device)
+        out_index = torch.cat([out_index, where[:, 0] * vocab + previous[where[:, 1]]])
+    seen_index = torch.cat([_to_device(prompt_flat, torch.long, device), out_index])
     row_index = _to_device(rows, torch.long, device)
 
     counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
-    counts.view(-1).index_add_(0, out_index, torch.ones(len(out_flat), device=device))
+    counts.view(-1).index_add_(0, out_index, torch.ones(out_index.numel(), device=device))
     seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
     seen.view(-1).index_fill_(0, seen_index, True)
 
