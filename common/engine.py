@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -175,10 +176,18 @@ class LLMEngine:
                 f"request needs {needed} KV blocks; the pool has {self.block_manager.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefilled: Prefilled | None = None, arrival_time: float | None = None) -> None:
+                    prefilled: Prefilled | None = None, arrival_time: float | None = None,
+                    output_token_ids: Seq[int] = ()) -> None:
+        """output_token_ids: outputs generated and delivered before, elsewhere (a migrated
+        request's continuation). They count as outputs (max/min tokens, stop rules, penalties,
+        seeded draws) and their KV is computed with the prompt's; prefilled's first token
+        follows them, and prefilled.block_ids then hold the KV of the prompt and of them."""
         if request_id in self.seqs or request_id in self.held:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in output_token_ids):
+            raise InvalidRequestError(f"output token ids must be in [0, {vocab})")
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                        arrival_time=arrival_time or time.monotonic())
         if self.tokenizer is not None:
@@ -186,19 +195,26 @@ class LLMEngine:
                 IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                        params.skip_special_tokens),
                 StopChecker(params.stop, params.include_stop_str_in_output))
-        reason = None
+        known = list(output_token_ids)
         if prefilled is not None:
             if prefilled.block_ids is not None:
-                if len(prefilled.block_ids) * self.config.block_size < len(prompt_token_ids):
+                computed = len(prompt_token_ids) + len(known)
+                if len(prefilled.block_ids) * self.config.block_size < computed:
                     raise InvalidRequestError("prefilled blocks are too few for the prompt")
                 seq.block_table = list(prefilled.block_ids)
-                seq.num_computed_tokens = len(prompt_token_ids)
+                seq.num_computed_tokens = computed
                 seq.first_scheduled_time = seq.arrival_time
+            known.append(prefilled.first_token_id)
+        reason = None
+        for token in known:
+            _, reason = self._append(seq, token)
+            if reason is not None:
+                break
+        if prefilled is not None:  # its first token came out upstream
             seq.first_token_time = seq.arrival_time
-            _, reason = self._append(seq, prefilled.first_token_id)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
-        if reason is not None:  # the first token already ended it: report at the next step
+        if reason is not None:  # a known token already ended it: report at the next step
             self._finish(seq, reason)
             self._pending.append(self._output(seq, [], "", None, time.monotonic()))
 

@@ -86,15 +86,18 @@ class EngineLoop:
         return future
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sink: Sink, prefilled: Prefilled | None = None) -> Future[None]:
+               sink: Sink, prefilled: Prefilled | None = None,
+               output_token_ids: list[int] | None = None) -> Future[None]:
         """Add a request; the future fails with the engine's InvalidRequestError if it refuses.
 
         With `prefilled`, its blocks pass to the engine: if the engine refuses the request, they
-        are freed here (the caller must not free them)."""
+        are freed here (the caller must not free them). output_token_ids: see
+        LLMEngine.add_request."""
 
         def add(engine: LLMEngine) -> None:
             try:
-                engine.add_request(request_id, prompt_token_ids, params, prefilled)
+                engine.add_request(request_id, prompt_token_ids, params, prefilled,
+                                   output_token_ids=output_token_ids or ())
             except BaseException:
                 if prefilled is not None and prefilled.block_ids is not None:
                     engine.free_blocks(prefilled.block_ids)

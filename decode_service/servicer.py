@@ -49,7 +49,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             prefilled, prompt, params = await self._take_over(request, prompt, params)
             handoff_ms = ms(time.monotonic() - start)
-            await asyncio.wrap_future(loop.submit(rid, prompt, params, stream, prefilled))
+            await asyncio.wrap_future(loop.submit(rid, prompt, params, stream, prefilled,
+                                                  list(request.output_token_ids)))
             joined = time.monotonic()
             first = True
             async for out in stream:

@@ -24,6 +24,14 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams               # validated
     params_pb: types_pb2.SamplingParams  # forwarded to the services as the client sent it
+    # Tokens the client already has (a migrated request's continuation): the services count
+    # them as outputs and compute their KV after the prompt's.
+    output_token_ids: tuple[int, ...] = ()
+
+    @property
+    def known_token_ids(self) -> list[int]:
+        """The tokens whose KV a prefill computes: the prompt, then the delivered outputs."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
 
 class Frontend:

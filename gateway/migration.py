@@ -2,14 +2,13 @@
 and the client's stream goes on as if nothing happened.
 
     attempt 1:  Relay.run(prompt)                 -> t0 t1 t2 ... tk   X decode killed (UNAVAILABLE)
-    attempt 2:  Relay.run(prompt + [t0 .. tk])    -> t(k+1) ...          re-prefilled elsewhere
+    attempt 2:  Relay.run(prompt, outputs [t0 .. tk]) -> t(k+1) ...      re-prefilled elsewhere
 
-The continuation is an ordinary request whose prompt carries the tokens the client already has and
-whose budget is what is left (max_tokens - k - 1, min_tokens likewise), so no token is repeated or
-skipped, and with greedy sampling the output equals an undisturbed run. (Seeded sampling restarts
-its generator, and frequency/presence penalties count the carried tokens as prompt: those outputs
-may differ after a migration.) Once migrated, the gateway writes the text itself (TextReplay), so
-stop strings see the whole output.
+The continuation is the same request carrying the tokens the client already has as outputs
+(PrefillRequest/DecodeRequest.output_token_ids): the services compute their KV after the prompt's
+and count them as outputs for max/min tokens, penalties and seeded draws, so no token is repeated
+or skipped and the output equals an undisturbed run's, sampled or not. Once migrated, the gateway
+writes the text itself (TextReplay), so stop strings see the whole output.
 
 Which failures are retried: UNAVAILABLE from an internal call (the service died or is shutting
 down), an unreachable registry, and no instance being registered. The failed instance is probed
@@ -89,22 +88,17 @@ class Delivery:
         self.finished = False
 
     def continuation(self) -> PreparedRequest:
-        """The request that generates what the client still lacks."""
-        n = len(self.token_ids)
-        if n == 0:
+        """The request that generates what the client still lacks: the same prompt and
+        settings, with the delivered tokens as outputs (stop strings left to the replay)."""
+        if not self.token_ids:
             return self.req
-        p = self.req.params
-        stop = [] if self.tokenizer is not None else p.stop
-        params = dataclasses.replace(p, max_tokens=p.max_tokens - n,
-                                     min_tokens=max(0, p.min_tokens - n), stop=stop)
+        stop = [] if self.tokenizer is not None else self.req.params.stop
         params_pb = types_pb2.SamplingParams()
         params_pb.CopyFrom(self.req.params_pb)
-        params_pb.max_tokens = params.max_tokens
-        params_pb.min_tokens = params.min_tokens
         del params_pb.stop[:]
         params_pb.stop.extend(stop)
-        return PreparedRequest(self.req.request_id, [*self.req.prompt_token_ids, *self.token_ids],
-                               params, params_pb)
+        return dataclasses.replace(self.req, params=dataclasses.replace(self.req.params, stop=stop),
+                                   params_pb=params_pb, output_token_ids=tuple(self.token_ids))
 
     def start_migration(self) -> None:
         self.migrations += 1

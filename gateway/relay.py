@@ -95,7 +95,7 @@ class Relay:
         try:
             decode = await self._pick_decode(req.prompt_token_ids, req.params.max_tokens)
             self.router.acquire(decode.instance_id)  # counted from now, so a burst spreads out
-            if len(req.prompt_token_ids) <= self.config.local_prefill_max_tokens:
+            if len(req.known_token_ids) <= self.config.local_prefill_max_tokens:
                 source: dict = {"prefill_locally": True}
             else:
                 handoff = None
@@ -130,7 +130,7 @@ class Relay:
                              ) -> AsyncIterator[generation_pb2.GenerateStreamResponse
                                                 | decode_pb2.Handoff]:
         """The first token for the client at once, then the Handoff for the decode call."""
-        prefill = await self._pick_prefill(req.prompt_token_ids)
+        prefill = await self._pick_prefill(req.known_token_ids)
         handle.check()
         handle.prefill = prefill
         st.timings.gateway_ms = ms(time.monotonic() - st.arrival)
@@ -213,7 +213,8 @@ class Relay:
         call = self.instances.prefill_stub(prefill.address).Prefill(
             prefill_pb2.PrefillRequest(
                 request_id=handle.internal_id, prompt_token_ids=req.prompt_token_ids,
-                params=req.params_pb, decode_instance_id=decode.instance_id),
+                params=req.params_pb, decode_instance_id=decode.instance_id,
+                output_token_ids=req.output_token_ids),
             timeout=_remaining(deadline))
         handle.calls.append(call)
         self.router.acquire(prefill.instance_id)
@@ -230,7 +231,8 @@ class Relay:
         call = self.instances.decode_stub(decode.address).Decode(
             decode_pb2.DecodeRequest(request_id=handle.internal_id,
                                      prompt_token_ids=req.prompt_token_ids,
-                                     params=req.params_pb, **source),
+                                     params=req.params_pb,
+                                     output_token_ids=req.output_token_ids, **source),
             timeout=_remaining(deadline))
         handle.calls.append(call)
         try:

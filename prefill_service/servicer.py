@@ -47,20 +47,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
         params = params_from_pb(request.params)
         prompt = list(request.prompt_token_ids)
-        first_only = dataclasses.replace(params, max_tokens=1, hold_blocks=True)
+        carried = list(request.output_token_ids)  # a migrated request's delivered tokens
+        first_only = dataclasses.replace(params, max_tokens=len(carried) + 1, hold_blocks=True)
         loop = self.instance.loop
         stream = AsyncOutputStream()
         outcome = "failed"  # -> "ended" (first token ends it) or "held" (handoff published)
         self.instance.num_inflight += 1
         try:
-            await asyncio.wrap_future(loop.submit(rid, prompt, first_only, stream))
+            await asyncio.wrap_future(loop.submit(rid, prompt, first_only, stream,
+                                                  output_token_ids=carried))
             async for out in stream:
                 final = out
-            ends = final.finish_reason == "stop" or params.max_tokens == 1
+            if len(final.output_token_ids) == len(carried):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "the request's delivered tokens already end it")
+            ends = final.finish_reason == "stop" or params.max_tokens == len(carried) + 1
             m = final.metrics
             self.metrics.observe_prefilled(m)
             yield prefill_pb2.PrefillResponse(
-                request_id=rid, first_token_id=final.output_token_ids[0],
+                request_id=rid, first_token_id=final.output_token_ids[len(carried)],
                 first_text=final.new_text,
                 finish_reason=FINISH_TO_PB[final.finish_reason if ends else None],
                 num_cached_tokens=final.num_cached_tokens,
@@ -74,7 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 return
             start = time.monotonic()
             desc = await asyncio.to_thread(self.source.describe, rid, final.held_block_ids,
-                                           len(prompt), final.block_hashes)
+                                           len(prompt) + len(carried), final.block_hashes)
             described = time.monotonic()
             await asyncio.to_thread(self.instance.registry.publish_handoff, desc, self.lease_s)
             log.debug("handoff %s: describe (checksum) %.2f ms, publish %.2f ms", rid,

@@ -1,6 +1,7 @@
 """Delivery (gateway/migration.py): a stream cut at token k and continued by a second engine run
-on prompt + the first k tokens gives the client exactly the undisturbed run's tokens and text,
-stop strings included, even one that straddles the cut. Real SmolLM2 engine, greedy, in process."""
+with the first k tokens as known outputs gives the client exactly the undisturbed run's tokens
+and text, stop strings included, even one that straddles the cut, and seeded sampling with
+penalties included. Real SmolLM2 engine, in process."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def undisturbed(engine) -> tuple[list[int], list[generation_pb2.GenerateStreamRe
 
 
 def stream(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str,
+           output_token_ids: tuple[int, ...] = (),
            ) -> list[generation_pb2.GenerateStreamResponse]:
     """The engine's outputs as the relay forwards them (one message per step)."""
-    engine.add_request(rid, prompt, params)
+    engine.add_request(rid, prompt, params, output_token_ids=output_token_ids)
     msgs = []
     while engine.has_unfinished():
         for out in engine.step():
@@ -67,10 +69,11 @@ def migrate_at(engine: LLMEngine, prompt: list[int], params: SamplingParams,
         sent.append(delivery.pass_on(msg))
     delivery.start_migration()
     cont = delivery.continuation()
-    assert cont.prompt_token_ids == prompt + delivery.token_ids
-    assert cont.params.max_tokens == params.max_tokens - k and cont.params.stop == []
+    assert cont.prompt_token_ids == prompt and cont.output_token_ids == tuple(delivery.token_ids)
+    assert cont.params.max_tokens == params.max_tokens and cont.params.stop == []
     assert cont.params_pb.max_tokens == cont.params.max_tokens and not cont.params_pb.stop
-    for msg in stream(engine, cont.prompt_token_ids, cont.params, f"second-{k}"):
+    for msg in stream(engine, cont.prompt_token_ids, cont.params, f"second-{k}-{id(params)}",
+                      cont.output_token_ids):
         sent.append(delivery.pass_on(msg))
         if delivery.finished:
             break
@@ -108,3 +111,18 @@ def test_stop_string_straddling_the_migration_point(engine, undisturbed):
         assert tokens_and_text(msgs) == want, k
         assert msgs[-1].finish_reason == types_pb2.FINISH_REASON_STOP
         assert msgs[-1].usage.completion_tokens == len(want[0])
+
+
+def test_seeded_sampling_with_penalties_continues_exactly(engine, undisturbed):
+    """The continuation's engine counts the delivered tokens as outputs: the seeded generator
+    skips their draws and the penalties count them, so the sampled tail is the undisturbed
+    one (it was not before: they were folded into the prompt)."""
+    prompt, _ = undisturbed
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=5,
+                            frequency_penalty=0.6, presence_penalty=0.3, ignore_eos=True)
+    want = tokens_and_text(stream(engine, prompt, params, "ref-seeded"))
+    ref_msgs = stream(engine, prompt, params, "ref-seeded-again")
+    assert tokens_and_text(ref_msgs) == want  # seeded: the run repeats itself
+    for k in (1, 8):
+        msgs = migrate_at(engine, prompt, params, ref_msgs, k)
+        assert tokens_and_text(msgs) == want, k
