@@ -107,14 +107,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x = x + residual
     residual = x
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf.to(x.dtype)) if weight.dtype == x.dtype else (weight * xf).to(x.dtype), residual
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # a new tensor
+    if weight.dtype == x.dtype:
+        return normed.to(x.dtype).mul_(weight), residual
+    return (weight * normed).to(x.dtype), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * n] (gate, up) -> silu(gate) * up: [..., n]."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def apply_rotary(q: torch.Tensor,          # [T, heads, head_dim]
@@ -131,7 +133,10 @@ def apply_rotary(q: torch.Tensor,          # [T, heads, head_dim]
     def rot(x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         x1, x2 = xf[..., :half], xf[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        out = torch.empty(xf.shape, dtype=xf.dtype, device=xf.device)
+        torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)  # x1 cos - x2 sin
+        torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)  # x2 cos + x1 sin
+        return out.to(x.dtype)
 
     return rot(q), rot(k)
 
