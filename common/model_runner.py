@@ -293,14 +293,13 @@ def gather_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_
     """pool[:, :, block_ids] as a new tensor. use_kernel: through kernels.block_copy, the CUDA
     path (index_select on dim 2 ran at 15% of copy bandwidth on the H200, the kernel at 94%);
     otherwise index_select, the CPU path."""
-    _check_block_ids(block_ids, pool)
     if not use_kernel:
+        _check_block_ids(block_ids, pool)
         return pool.index_select(2, torch.tensor(block_ids, dtype=torch.int64,
                                                  device=pool.device))
-    from kernels.block_copy import copy_blocks
+    from kernels.block_copy import copy_listed_blocks
     out = pool.new_empty((*pool.shape[:2], len(block_ids), *pool.shape[3:]))
-    pool_ids, out_ids = _block_ids_up(block_ids, pool)
-    copy_blocks(pool, out, pool_ids, out_ids, block_dim=2)
+    copy_listed_blocks(pool, out, block_ids, range(len(block_ids)), block_dim=2)
     return out
 
 
@@ -310,32 +309,21 @@ def scatter_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv
                    *, use_kernel: bool) -> None:
     """pool[:, :, block_ids] = kv (converted to the pool's device and dtype); use_kernel as in
     gather_blocks."""
-    _check_block_ids(block_ids, pool)
     kv = kv.to(device=pool.device, dtype=pool.dtype)
     if not use_kernel:
+        _check_block_ids(block_ids, pool)
         pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64, device=pool.device), kv)
         return
-    from kernels.block_copy import copy_blocks
+    from kernels.block_copy import copy_listed_blocks
     want = (*pool.shape[:2], len(block_ids), *pool.shape[3:])
     if tuple(kv.shape) != want:
         raise ValueError(f"kv {tuple(kv.shape)} does not hold {len(block_ids)} blocks of the pool "
                          f"{tuple(pool.shape)}")
-    pool_ids, kv_ids = _block_ids_up(block_ids, pool)
-    copy_blocks(kv.contiguous(), pool, kv_ids, pool_ids, block_dim=2)
+    copy_listed_blocks(kv.contiguous(), pool, range(len(block_ids)), block_ids, block_dim=2)
 
 
 def _check_block_ids(block_ids: list[int], pool: torch.Tensor) -> None:
-    """On the host: the kernel would not notice a bad id, and on CUDA index_select would fail
-    later, asynchronously, with a device-side assert that poisons the process's context."""
+    """On the host: on CUDA index_select would fail later, asynchronously, with a device-side
+    assert that poisons the process's context."""
     if block_ids and not 0 <= min(block_ids) <= max(block_ids) < pool.shape[2]:
         raise IndexError(f"block ids outside [0, {pool.shape[2]})")
-
-
-def _block_ids_up(block_ids: list[int], pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block_ids, 0..n-1) as int64 on the pool's device: one copy from pinned memory, which does
-    not wait for the device (the ids were range-checked by _check_block_ids)."""
-    on_cuda = pool.device.type == "cuda"
-    host = torch.tensor([list(block_ids), list(range(len(block_ids)))], dtype=torch.int64,
-                        pin_memory=on_cuda)
-    ids = host.to(pool.device, non_blocking=on_cuda)
-    return ids[0], ids[1]

@@ -8,7 +8,9 @@ One program copies one chunk of one block pair for one outer index, in wide vect
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +80,26 @@ def copy_blocks(src: torch.Tensor,        # [..., num_blocks_src, block_size, kv
         s3, d3, src_ids, dst_ids, s3.stride(0), s3.stride(1), d3.stride(0), d3.stride(1),
         INNER=inner, CHUNKS=chunks, CHUNK=chunk, num_warps=config.num_warps,
     )
+
+
+def copy_listed_blocks(src: torch.Tensor, dst: torch.Tensor,
+                       src_ids: Sequence[int], dst_ids: Sequence[int], block_dim: int = -4,
+                       *, config: CopyConfig | None = None) -> None:
+    """copy_blocks with the block ids as host lists, as callers that own the block tables have
+    them: range-checked here (the kernel would not notice a bad id), sent up in one pinned,
+    non-blocking copy (no wait for the device), and launched on the pools' device whatever the
+    calling thread's current device is."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    bd = block_dim % src.dim()
+    for name, ids, t in (("src_ids", src_ids, src), ("dst_ids", dst_ids, dst)):
+        if ids and not 0 <= min(ids) <= max(ids) < t.shape[bd]:
+            raise IndexError(f"{name} outside [0, {t.shape[bd]})")
+    on_cuda = src.device.type == "cuda"
+    host = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int64, pin_memory=on_cuda)
+    ids = host.to(src.device, non_blocking=on_cuda)
+    with torch.cuda.device(src.device) if on_cuda else contextlib.nullcontext():
+        copy_blocks(src, dst, ids[0], ids[1], block_dim, config=config)
 
 
 def _view3(t: torch.Tensor, bd: int, name: str) -> torch.Tensor:

@@ -55,13 +55,8 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int],
     runs = block_runs(src_ids, dst_ids)
     if src.is_cuda and src.device == dst.device:
         # Imported here: CPU-only processes never load Triton through this module.
-        from kernels.block_copy import copy_blocks as copy_blocks_kernel
-        # Triton launches on the calling thread's current device: make it the pools'.
-        with torch.cuda.device(dst.device):
-            copy_blocks_kernel(src, dst,
-                               torch.tensor(list(src_ids), dtype=torch.int64, device=src.device),
-                               torch.tensor(list(dst_ids), dtype=torch.int64, device=dst.device),
-                               block_dim=BLOCK_AXIS)
+        from kernels.block_copy import copy_listed_blocks
+        copy_listed_blocks(src, dst, src_ids, dst_ids, block_dim=BLOCK_AXIS)
         return
     for s, d, n in runs:
         dst[:, :, d:d + n].copy_(src[:, :, s:s + n])

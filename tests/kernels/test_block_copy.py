@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.block_copy import copy_blocks
+from kernels.block_copy import copy_blocks, copy_listed_blocks
 
 BF16 = torch.bfloat16
 
@@ -66,3 +66,21 @@ def test_rejects_bad_arguments() -> None:
         copy_blocks(pool, pool.double(), ids, ids)
     with pytest.raises(ValueError, match="src_ids: dtype"):
         copy_blocks(pool, pool.clone(), ids.int(), ids)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_listed_ids_from_the_host(device: str) -> None:
+    """The host-list entry point: the same copy, and ids out of range refused before launch."""
+    src = torch.randn(2, 2, 9, 4, 2, 16, device=device)
+    dst = torch.randn(2, 2, 6, 4, 2, 16, device=device)
+    want = dst.clone()
+    reference.copy_blocks(src, want, torch.tensor([8, 0, 3], device=device),
+                          torch.tensor([1, 5, 2], device=device), block_dim=2)
+    copy_listed_blocks(src, dst, [8, 0, 3], [1, 5, 2], block_dim=2)
+    assert torch.equal(dst, want)
+    with pytest.raises(IndexError, match="dst_ids"):
+        copy_listed_blocks(src, dst, [0], [6], block_dim=2)
+    with pytest.raises(IndexError, match="src_ids"):
+        copy_listed_blocks(src, dst, [-1], [0], block_dim=2)
+    with pytest.raises(ValueError, match="source blocks"):
+        copy_listed_blocks(src, dst, [0, 1], [0], block_dim=2)
