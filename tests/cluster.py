@@ -113,6 +113,10 @@ class Cluster:
         self.procs[slot].send_signal(signal.SIGSTOP)
         return self.procs[slot].pid
 
+    def thaw(self, slot: str) -> None:
+        """SIGCONT a frozen slot's process."""
+        self.procs[slot].send_signal(signal.SIGCONT)
+
     def kill_redis(self) -> None:
         self.redis.kill()
 

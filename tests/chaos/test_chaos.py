@@ -64,11 +64,20 @@ def inject(cluster: Cluster, load: Load, fault: str) -> dict:
         wait_until("services re-registered", lambda: instances <= cluster.registered(), 30)
     else:
         if hang:
-            cluster.freeze(target)
-            before = dict(load.receiving)
-            time.sleep(1.0)  # what the process sent before it stopped arrives meanwhile
-            seen = dict(load.receiving)
-            report["stalled"] = sum(before.get(rid) == n for rid, n in seen.items())
+            # The stats that said it was generating are up to 0.1 s old, so its streams may all
+            # have ended by the time it stops: then let it go on and try again.
+            for _ in range(5):
+                cluster.freeze(target)
+                time.sleep(0.3)  # what the process sent before it stopped arrives meanwhile
+                before = dict(load.receiving)
+                time.sleep(1.0)
+                seen = dict(load.receiving)
+                report["stalled"] = sum(before.get(rid) == n for rid, n in seen.items())
+                if report["stalled"]:
+                    break
+                cluster.thaw(target)
+                wait_until(f"{instance} generating", lambda: cluster.stats().get(
+                    instance, types_pb2.InstanceStats()).num_running, 30, interval_s=0.02)
             # Every stream must get past the hang (the gateway's keepalive notices it); none
             # may wait for the process to come back.
             wait_until("streams moved on from the hung process", lambda: all(
