@@ -244,6 +244,19 @@ class LLMEngine:
     def reserve_blocks(self, n: int) -> list[int]:
         return self.block_manager.allocate_blocks(n)
 
+    def launched_event(self) -> torch.cuda.Event | None:
+        """An event on the engine's stream after every step launched so far (None on CPU).
+
+        Blocks freed by a step may still be written by the step in flight (overlap: a finished
+        sequence's wasted row), so work on another stream that writes blocks reserved now
+        waits for this event first."""
+        if self._cuda_index is None:
+            return None
+        self._use_device()
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def free_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.unref_blocks(block_ids)
 

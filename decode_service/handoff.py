@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import redis
 
@@ -45,11 +46,35 @@ class HandoffPuller:
         self.metrics = metrics
 
     async def pull(self, handoff_id: str) -> list[int]:
-        """Blocks of this engine's pool now holding the handoff's prompt KV (caller owns them)."""
+        """Blocks of this engine's pool now holding the handoff's prompt KV (caller owns them).
+
+        One job on the pull thread claims, reserves (waiting on the engine thread directly),
+        copies, verifies and confirms: one hop from the event loop and back, not one per step."""
+        self.pending.add(handoff_id)
+        job = asyncio.get_running_loop().run_in_executor(self._executor, self._take, handoff_id)
+        renewal = asyncio.get_running_loop().create_task(self._renew(handoff_id))
+        keep = False
+        try:
+            taken = await asyncio.shield(job)
+            keep = True
+            return taken
+        finally:
+            renewal.cancel()
+            self.pending.discard(handoff_id)
+            if not keep:  # cancelled: free what the job reserved once it is done with it
+                job.add_done_callback(self._free_if_taken)
+
+    def _free_if_taken(self, job: asyncio.Future) -> None:
+        if not job.cancelled() and job.exception() is None:
+            blocks = job.result()
+            self.loop.call(lambda e: e.free_blocks(blocks))
+
+    def _take(self, handoff_id: str) -> list[int]:
+        """The pull thread's part of pull(): the reserved blocks, or HandoffFailed with every
+        block it reserved freed."""
         start = time.monotonic()
         try:
-            desc = await asyncio.to_thread(self.registry.claim_handoff, handoff_id,
-                                           self.instance_id)
+            desc = self.registry.claim_handoff(handoff_id, self.instance_id)
         except redis.RedisError as e:
             self.metrics.handoff_failures("registry").inc()
             raise HandoffFailed(f"handoff {handoff_id}: registry unreachable ({e})") from e
@@ -57,41 +82,43 @@ class HandoffPuller:
             self.metrics.handoff_failures("gone").inc()
             raise HandoffFailed(f"handoff {handoff_id} is gone or claimed by another service")
         claimed = time.monotonic()
-        blocks = await asyncio.wrap_future(
-            self.loop.call(lambda e: e.reserve_blocks(len(desc.block_ids))))
-        reserved = time.monotonic()
-        self.pending.add(handoff_id)
-        pool = self.loop.engine.kv_cache
-        transfer = asyncio.get_running_loop().run_in_executor(
-            self._executor, self.receiver.pull, desc, pool, blocks)
-        renewal = asyncio.get_running_loop().create_task(self._renew(handoff_id))
-        keep = False
+        n = len(desc.block_ids)
+        reserved = self.loop.call(lambda e: (e.reserve_blocks(n), e.launched_event()))
         try:
-            name = await asyncio.shield(transfer)
+            blocks, after = reserved.result(timeout=self.receiver.timeout_s)
+        except FutureTimeout:
+            reserved.add_done_callback(self._free_if_taken_pair)
+            self.metrics.handoff_failures("transfer").inc()
+            raise HandoffFailed(f"handoff {handoff_id}: the engine did not reserve {n} blocks "
+                                f"within {self.receiver.timeout_s} s") from None
+        got = time.monotonic()
+        pool = self.loop.engine.kv_cache
+        try:
+            try:
+                name = self.receiver.pull(desc, pool, blocks, after)
+            except TransferError as e:
+                self.metrics.handoff_failures("transfer").inc()
+                raise HandoffFailed(str(e)) from e
             pulled = time.monotonic()
-            renewal.cancel()
-            self.transports_used[name] = self.transports_used.get(name, 0) + 1
-            if not await self._complete(handoff_id):
+            if not self._complete(handoff_id):
                 self.metrics.handoff_failures("lease_expired").inc()
                 raise HandoffFailed(f"handoff {handoff_id}: the lease ran out during the pull")
-            keep = True
-            block_bytes = pool.numel() // pool.shape[2] * pool.element_size()
-            done = time.monotonic()
-            self.metrics.observe_handoff(name, len(blocks) * block_bytes, done - start)
-            log.debug("handoff %s via %s: claim %.2f ms, reserve %.2f ms, pull+verify %.2f ms, "
-                      "confirm %.2f ms", handoff_id, name, 1e3 * (claimed - start),
-                      1e3 * (reserved - claimed), 1e3 * (pulled - reserved), 1e3 * (done - pulled))
-            return blocks
-        except TransferError as e:
-            self.metrics.handoff_failures("transfer").inc()
-            raise HandoffFailed(str(e)) from e
-        finally:
-            renewal.cancel()
-            self.pending.discard(handoff_id)
-            if not keep:
-                # Free only once the transfer thread is done writing into the blocks.
-                transfer.add_done_callback(lambda _: self.loop.call(
-                    lambda e: e.free_blocks(blocks)))
+        except BaseException:
+            self.loop.call(lambda e: e.free_blocks(blocks))
+            raise
+        done = time.monotonic()
+        self.transports_used[name] = self.transports_used.get(name, 0) + 1
+        block_bytes = pool.numel() // pool.shape[2] * pool.element_size()
+        self.metrics.observe_handoff(name, len(blocks) * block_bytes, done - start)
+        log.debug("handoff %s via %s: claim %.2f ms, reserve %.2f ms, pull+verify %.2f ms, "
+                  "confirm %.2f ms", handoff_id, name, 1e3 * (claimed - start),
+                  1e3 * (got - claimed), 1e3 * (pulled - got), 1e3 * (done - pulled))
+        return blocks
+
+    def _free_if_taken_pair(self, reserved: Future) -> None:
+        if not reserved.cancelled() and reserved.exception() is None:
+            blocks, _ = reserved.result()
+            self.loop.call(lambda e: e.free_blocks(blocks))
 
     async def _renew(self, handoff_id: str) -> None:
         """Keep the handoff's lease alive while its KV is being pulled (until cancelled)."""
@@ -104,12 +131,11 @@ class HandoffPuller:
             except redis.RedisError as e:
                 log.warning("renewing the lease of handoff %s failed: %s", handoff_id, e)
 
-    async def _complete(self, handoff_id: str) -> bool:
+    def _complete(self, handoff_id: str) -> bool:
         """Confirm the pull; False when the lease ran out first or the registry cannot say (the
         pulled KV is then discarded: without a confirmation its blocks may be reused)."""
         try:
-            return await asyncio.to_thread(self.registry.complete_handoff, handoff_id,
-                                           self.instance_id)
+            return self.registry.complete_handoff(handoff_id, self.instance_id)
         except redis.RedisError as e:
             log.warning("confirming handoff %s failed: %s", handoff_id, e)
             return False

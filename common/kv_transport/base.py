@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from common.kv_transport.blocks import KV_LAYOUT, dtype_name
+from common.kv_transport.blocks import KV_LAYOUT, dtype_name, transfer_stream
 from common.kv_transport.checksum import kv_checksum
 from common.registry.records import HandoffDescriptor
 
@@ -66,15 +66,20 @@ class KVTransport(ABC):
     name: ClassVar[str]
 
     def pull(self, desc: HandoffDescriptor, dst_pool: torch.Tensor,
-             dst_block_ids: Sequence[int], timeout_s: float = 30.0) -> None:
+             dst_block_ids: Sequence[int], timeout_s: float = 30.0,
+             after: torch.cuda.Event | None = None) -> None:
         """Copy the source blocks desc.block_ids into dst_pool's dst_block_ids (same order) and
-        verify the checksum; raises TransferError (see the module docstring)."""
+        verify the checksum; raises TransferError (see the module docstring). On a GPU the
+        copy runs on the transfer stream (blocks.transfer_stream) after `after`, the receiving
+        engine's launched_event() taken when the blocks were reserved; it has completed when
+        pull() returns."""
         check_geometry(desc, dst_pool, dst_block_ids)
         info = desc.transports.get(self.name)
         if info is None:
             raise TransferError(f"handoff {desc.request_id} offers no {self.name} transport")
-        self._pull(desc, info, dst_pool, list(dst_block_ids), timeout_s)
-        got = kv_checksum(dst_pool, dst_block_ids)
+        with transfer_stream(dst_pool, after):
+            self._pull(desc, info, dst_pool, list(dst_block_ids), timeout_s)
+            got = kv_checksum(dst_pool, dst_block_ids)  # reads the sum back: syncs the stream
         if got != desc.checksum:
             raise TransferError(f"handoff {desc.request_id}: checksum mismatch over "
                                 f"{len(dst_block_ids)} blocks via {self.name} "

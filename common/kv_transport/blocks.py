@@ -6,7 +6,9 @@ head_dim]. Block b of a pool is pool[:, :, b].
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -28,6 +30,30 @@ def dtype_from_name(name: str) -> torch.dtype:
 def check_pool(pool: torch.Tensor) -> None:
     if pool.dim() != 6 or pool.shape[1] != 2:
         raise ValueError(f"a KV pool is [{KV_LAYOUT}], got shape {tuple(pool.shape)}")
+
+
+_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the transfer stream
+_streams_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def transfer_stream(pool: torch.Tensor, after: torch.cuda.Event | None = None) -> Iterator[None]:
+    """Run a transfer's device work (copies, checksums) on a stream of its own, so it does not
+    queue behind the engine's steps on the default stream; it waits only for `after`. Nothing
+    orders the engine's later work after it: the caller syncs (the checksum's read does) before
+    the engine touches the blocks. A no-op for CPU pools."""
+    if not pool.is_cuda:
+        yield
+        return
+    index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.Stream(index)
+    with torch.cuda.device(index), torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        yield
 
 
 def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -69,10 +69,10 @@ class KVReceiver:
         return self._transports[name]
 
     def pull(self, desc: HandoffDescriptor, dst_pool: torch.Tensor,
-             dst_block_ids: Sequence[int]) -> str:
+             dst_block_ids: Sequence[int], after: torch.cuda.Event | None = None) -> str:
         """KVTransport.pull over the selected transport; returns its name (for metrics)."""
         name = select_transport(desc, self.host, dst_pool.device)
-        self.transport(name).pull(desc, dst_pool, dst_block_ids, self.timeout_s)
+        self.transport(name).pull(desc, dst_pool, dst_block_ids, self.timeout_s, after)
         return name
 
     def close(self) -> None:

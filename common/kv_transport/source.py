@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from common.kv_transport import cuda_ipc, local
-from common.kv_transport.blocks import BLOCK_AXIS, KV_LAYOUT, check_pool, dtype_name
+from common.kv_transport.blocks import (BLOCK_AXIS, KV_LAYOUT, check_pool, dtype_name,
+                                        transfer_stream)
 from common.kv_transport.checksum import kv_checksum
 from common.kv_transport.locality import host_id
 from common.kv_transport.shm import SharedMemoryPool
@@ -56,7 +57,9 @@ class KVSource:
 
     def describe(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
                  block_hashes: Sequence[int]) -> HandoffDescriptor:
-        """The handoff descriptor for held blocks whose KV is computed (checksummed now)."""
+        """The handoff descriptor for held blocks whose KV is computed (checksummed now, on
+        the transfer stream: the engine synced on the step that wrote them before it
+        reported them held, and the steps it launched since do not delay the checksum)."""
         layers, _, _, block_size, kv_heads, head_dim = self.pool.shape
         return HandoffDescriptor(
             request_id=request_id, source_instance=self.instance_id, source_address=self.address,
@@ -64,9 +67,13 @@ class KVSource:
             block_size=block_size, layout=KV_LAYOUT, num_layers=layers, num_kv_heads=kv_heads,
             head_dim=head_dim, num_tokens=num_tokens, block_ids=list(block_ids),
             block_hashes=[int(h) for h in block_hashes],
-            checksum=kv_checksum(self.pool, block_ids),
+            checksum=self.checksum(block_ids),
             transports={name: dict(info) for name, info in self.offers.items()},
             created_at=time.time())
+
+    def checksum(self, block_ids: Sequence[int]) -> int:
+        with transfer_stream(self.pool):
+            return kv_checksum(self.pool, block_ids)
 
     def close(self) -> None:
         local.unshare_pool(self.instance_id)
