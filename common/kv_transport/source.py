@@ -15,8 +15,13 @@ from typing import Any
 import torch
 
 from common.kv_transport import cuda_ipc, local
-from common.kv_transport.blocks import (BLOCK_AXIS, KV_LAYOUT, check_pool, dtype_name,
-                                        transfer_stream)
+from common.kv_transport.blocks import (
+    BLOCK_AXIS,
+    KV_LAYOUT,
+    check_pool,
+    dtype_name,
+    transfer_stream,
+)
 from common.kv_transport.checksum import kv_checksum
 from common.kv_transport.locality import host_id
 from common.kv_transport.shm import SharedMemoryPool
