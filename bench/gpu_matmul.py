@@ -8,6 +8,12 @@ max(weight bytes / copy bandwidth, FLOPs / matmul rate), for torch's default lib
 each library `torch.backends.cuda.preferred_blas_library` accepts.
 
     PYTHONPATH=. python3 bench/gpu_matmul.py --out matmul.json
+
+With --skinny it times kernels.skinny_gemm.skinny_linear instead, for a few candidate configs
+per (projection, M) next to F.linear (torch's default library), each as a fraction of the same
+floor, and names the fastest config of each (rows default to 1 4 16; about a minute on an H200):
+
+    PYTHONPATH=. python3 bench/gpu_matmul.py --skinny --out skinny.json
 """
 
 from __future__ import annotations
@@ -15,12 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from common.models.dummy import dummy_config
+from kernels.skinny_gemm import MAX_M, SkinnyConfig, default_config, skinny_linear
 
 LIBRARIES = ("default", "cublas", "cublaslt")
 
@@ -39,13 +49,19 @@ def time_linear(n: int, k: int, m: int, copies: int, reps: int = 5) -> float:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return time_calls(F.linear, x, weights, reps)
+
+
+def time_calls(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+               weights: list[torch.Tensor], reps: int = 5) -> float:
+    """Median microseconds of one fn(x, w), from graph replays of one call per weight."""
     for w in weights:
-        F.linear(x, w)
+        fn(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for w in weights:
-            F.linear(x, w)
+            fn(x, w)
     graph.replay()
     times = []
     for _ in range(reps):
@@ -54,18 +70,109 @@ def time_linear(n: int, k: int, m: int, copies: int, reps: int = 5) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
     return statistics.median(times)
+
+
+def skinny_candidates(n: int, k: int, m: int, num_sms: int) -> list[SkinnyConfig]:
+    """The default config first, then neighbours of it: narrower/wider rows, other split
+    counts, pipeline depths and warps, and (at M == 1) the tl.dot path."""
+    base = default_config(n, k, m, num_sms)
+    if m == 1:
+        alts = [SkinnyConfig(1, 8, 512), SkinnyConfig(1, 16, 512), SkinnyConfig(1, 16, 1024),
+                SkinnyConfig(1, 32, 512, num_warps=8), SkinnyConfig(1, 16, 512, num_stages=6),
+                SkinnyConfig(1, 16, 512, split_k=2), SkinnyConfig(16, 16, 256),
+                SkinnyConfig(16, 32, 256)]
+    else:
+        bm = base.block_m
+        alts = [base._replace(split_k=1), base._replace(split_k=2 * base.split_k),
+                base._replace(num_stages=3), base._replace(num_stages=6),
+                base._replace(num_warps=8), SkinnyConfig(bm, 16, 256), SkinnyConfig(bm, 32, 256),
+                SkinnyConfig(bm, 64, 128, split_k=4)]
+    return list(dict.fromkeys([base, *alts]))
+
+
+def _config_name(cfg: SkinnyConfig) -> str:
+    return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} "
+            f"w{cfg.num_warps} p{cfg.num_stages}")
+
+
+def bench_skinny(args: argparse.Namespace) -> dict:
+    """F.linear and skinny_linear candidates per (projection, M): table rows and the best."""
+    results, best = [], []
+    t0 = time.monotonic()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("| proj | M | impl | config | us | TB/s | of floor | vs F.linear | rel err |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for name, (n, k) in projections(args.shape).items():
+        copies = max(2, int(512e6 // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(copies)]
+        nbytes = n * k * 2
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            floor = max(nbytes / (args.copy_tb_s * 1e12),
+                        2 * m * n * k / (args.matmul_tflops * 1e12)) * 1e6
+            want = F.linear(x, weights[0]).float()
+            cublas_us = time_calls(F.linear, x, weights)
+            runs: list[tuple[str, SkinnyConfig | None, float, float]] = [
+                ("F.linear", None, cublas_us, 0.0)]
+            default = default_config(n, k, m, sms)
+            for cfg in skinny_candidates(n, k, m, sms):
+                def call(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = cfg,
+                         ) -> torch.Tensor:
+                    return skinny_linear(x, w, config=cfg)
+                got = call(x, weights[0]).float()
+                err = ((got - want).norm() / want.norm()).item()
+                runs.append(("skinny", cfg, time_calls(call, x, weights), err))
+            for impl, cfg, us, err in runs:
+                row = {"proj": name, "m": m, "n": n, "k": k, "impl": impl,
+                       "config": cfg._asdict() if cfg else None,
+                       "default": cfg == default, "us": us,
+                       "tb_s": nbytes / us / 1e6, "of_floor": floor / us,
+                       "vs_f_linear": cublas_us / us, "rel_err_vs_f_linear": err}
+                results.append(row)
+                label = _config_name(cfg) + (" (default)" if row["default"] else "") if cfg else "-"
+                print(f"| {name} | {m} | {impl} | {label} | {us:.1f} | {row['tb_s']:.2f} | "
+                      f"{row['of_floor']:.2f} | {row['vs_f_linear']:.2f} | {err:.1e} |")
+            top = min((r for r in results[-len(runs):] if r["impl"] == "skinny"),
+                      key=lambda r: r["us"])
+            dflt = next(r for r in results[-len(runs):] if r["default"])
+            best.append({"proj": name, "m": m, "best_config": top["config"],
+                         "best_of_floor": top["of_floor"], "default_of_floor": dflt["of_floor"],
+                         "f_linear_of_floor": floor / cublas_us})
+        del weights
+        torch.cuda.empty_cache()
+    print("\n| proj | M | F.linear of floor | default of floor | best of floor | best config |\n"
+          "|---|---|---|---|---|---|")
+    for b in best:
+        print(f"| {b['proj']} | {b['m']} | {b['f_linear_of_floor']:.2f} | "
+              f"{b['default_of_floor']:.2f} | {b['best_of_floor']:.2f} | "
+              f"{_config_name(SkinnyConfig(**b['best_config']))} |")
+    print(f"\n{time.monotonic() - t0:.0f} s")
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "copy_tb_s": args.copy_tb_s, "results": results,
+            "best": best}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3-8b")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128, 256])
+    ap.add_argument("--rows", type=int, nargs="+",
+                    help="rows M (default 1 8 64 128 256; with --skinny 1 4 16)")
+    ap.add_argument("--skinny", action="store_true",
+                    help="time skinny_linear configs against F.linear instead of the libraries")
     ap.add_argument("--copy-tb-s", type=float, default=4.27)
     ap.add_argument("--matmul-tflops", type=float, default=790.0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.skinny:
+        args.rows = args.rows or [1, 4, 16]
+        if max(args.rows) > MAX_M:
+            ap.error(f"--skinny: rows up to {MAX_M}")
+        args.out.write_text(json.dumps(bench_skinny(args), indent=1))
+        return
+    args.rows = args.rows or [1, 8, 64, 128, 256]
     results = []
     print("| library | proj | M | us | TB/s | TFLOP/s | of roofline |\n|---|---|---|---|---|---|---|")
     for lib in LIBRARIES:

@@ -148,3 +148,13 @@ def copy_blocks(src: torch.Tensor,        # [..., num_blocks_src, block_size, kv
                 block_dim: int = -4) -> None:
     """dst[..., dst_ids[i], ...] = src[..., src_ids[i], ...] along the block dimension."""
     dst.index_copy_(block_dim % dst.dim(), dst_ids, src.index_select(block_dim % src.dim(), src_ids))
+
+
+def linear(x: torch.Tensor,                   # [M, K]
+           weight: torch.Tensor,              # [N, K]
+           bias: torch.Tensor | None = None,  # [N]
+           ) -> torch.Tensor:                 # [M, N], x's dtype
+    """x @ weight.T + bias accumulated in float32 and rounded once to x's dtype: the semantics
+    of kernels.skinny_gemm.skinny_linear (and of F.linear on CUDA)."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)

@@ -11,8 +11,8 @@ One step takes a flat batch of T tokens (see AttentionMetadata). Per layer:
     h, res = rms_norm(h, res)
     h      = silu_and_mul(h @ Wgate|up) @ Wdown
 
-The element-wise ops go through `model.ops` (a ModelOps) so a CUDA path can swap in kernels
-(common.models.ops_triton).
+The element-wise ops and the projections' matmuls go through `model.ops` (a ModelOps) so a CUDA
+path can swap in kernels (common.models.ops_triton).
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend, ops: ModelOps) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta, backend)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -74,7 +75,8 @@ class MLP(nn.Module):
         self.down_proj = _linear(c.intermediate_size, c.hidden_size, False, dtype, device)
 
     def forward(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        gate_up = ops.linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -132,7 +134,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        return self.ops.linear(hidden, head.weight, None).float()
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF checkpoint tensor name this model needs -> the parameter rows it fills.

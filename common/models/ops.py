@@ -1,6 +1,7 @@
-"""The element-wise ops a model layer calls, gathered so that a device path can swap them.
+"""The ops a model layer calls (the element-wise ones and the projections' matmul), gathered so
+that a device path can swap them.
 
-The default is kernels.reference (plain torch, the CPU path); the CUDA path uses
+The default is kernels.reference and F.linear (plain torch, the CPU path); the CUDA path uses
 common.models.ops_triton.TRITON_OPS, built from kernels' Triton kernels with the same signatures
 and semantics.
 """
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.models.attention import AttentionBackend, AttentionMetadata
 from kernels import reference
@@ -18,6 +20,7 @@ from kernels import reference
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
                    tuple[torch.Tensor, torch.Tensor]]
 SiluAndMul = Callable[[torch.Tensor], torch.Tensor]
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (q, k, v, positions, cos_sin, k_cache, v_cache, meta, backend) -> rotated q
 RotaryStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         torch.Tensor, torch.Tensor, AttentionMetadata, AttentionBackend],
@@ -31,6 +34,7 @@ class ModelOps:
     # Rotary on q and k, then the rotated k and v into the paged cache at meta.slot_mapping.
     # One op so that a kernel can fuse the two (the rotated k never exists outside the cache).
     rotary_store: RotaryStore
+    linear: Linear             # (x, weight [N, K], bias [N] or None) -> x @ weight.T + bias
 
 
 def reference_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -46,4 +50,5 @@ REFERENCE_OPS = ModelOps(
     rms_norm=reference.rms_norm,
     silu_and_mul=reference.silu_and_mul,
     rotary_store=reference_rotary_store,
+    linear=F.linear,
 )

@@ -1,0 +1,241 @@
+"""Skinny GEMM: out = x @ weight.T (+ bias) for few rows of x, streaming the weight once.
+
+At batch-1 decode a projection is a matrix-vector product: the time is the time to read the
+weight [N, K] from DRAM, and cuBLAS leaves much of the bandwidth unused at these shapes. Here one
+program owns BLOCK_N rows of the weight (BLOCK_N output columns) and walks K in BLOCK_K tiles,
+the loads pipelined `num_stages` deep, so every weight byte is read once and each program keeps
+several tiles in flight. Two ways to multiply a tile, chosen by `block_m`:
+
+    block_m == 1 (M == 1 only): multiply-add on the CUDA cores into a [BLOCK_N, BLOCK_K] float32
+                 tile, summed over K once at the end (no cross-thread reduction in the loop).
+    block_m >= 16: tl.dot of x [BLOCK_M, BLOCK_K] (rows past M masked, never read) with the
+                 weight tile; the tensor cores' padding costs no memory traffic.
+
+Every program re-reads its x tiles (from L2): about M / BLOCK_N of the weight's bytes, which is
+why wider rows suit larger M. Where N / BLOCK_N programs are too few to fill the GPU, split-K
+(a second grid axis over whole K tiles) lets each program write a float32 partial into a
+workspace [split_k, M, N] allocated with the output (every element written, so never zeroed;
+capture-safe like any allocation from torch's caching allocator), and a second launch sums the
+splits, adds the bias and rounds. With split_k == 1 one launch writes the output directly.
+
+Arithmetic: float32 accumulation, bias added in float32, one rounding to x's dtype (as F.linear
+on CUDA). The grid depends on shapes only, so calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor
+
+MAX_M = 32        # rows the launcher accepts
+# Rows supports() admits by default. The H200 sweep of 2026-11-30 (bench/RESULTS.md): at M=1
+# this kernel beat cuBLAS on every 8B projection (o 0.73 vs 0.62 of the weight-read floor, qkv
+# 0.81 vs 0.75, down 0.92 vs 0.86, lm_head 1.04 vs 0.92, gate_up 0.94 vs 0.93); at M=4 and 16
+# its best configs only tied cuBLAS on qkv/o/lm_head and lost on gate_up/down.
+SKINNY_M = 1
+H200_SMS = 132    # the multiprocessor count assumed off-GPU (the interpreter)
+_SUM_BLOCK = 1024
+
+
+class SkinnyConfig(NamedTuple):
+    block_m: int          # 1: CUDA-core path (M == 1); >= 16 and >= M: tl.dot path
+    block_n: int          # weight rows (output columns) per program
+    # K per loop step. On the CUDA-core path keep it >= 64 * num_warps: with fewer than two x
+    # elements a thread, triton 3.9 loads x unvectorised and unpipelined, and lays the whole
+    # tile out one element a thread (seen in its TTGIR for sm_90).
+    block_k: int
+    split_k: int = 1      # programs along K; > 1 adds a float32 workspace and a second launch
+    num_warps: int = 4
+    num_stages: int = 4   # loop pipelining depth (tiles in flight per program: num_stages - 1)
+
+
+def default_config(n: int, k: int, m: int, num_sms: int = H200_SMS) -> SkinnyConfig:
+    """Launch parameters for out[m, n] = x[m, k] @ w[n, k].T (sweep: bench/gpu_matmul.py).
+
+    Aim: at least 1.5 programs per multiprocessor. M == 1: 16 rows (fewer for small N) of
+    512-wide tiles. tl.dot: 4 * M rows (the x re-reads stay under a quarter of the weight's
+    bytes), at least 16 and at most 64; x and weight tiles of at most 24 KB together; then
+    split-K in powers of two (up to 8, each split at least four tiles) until there are enough
+    programs."""
+    want = 3 * num_sms // 2
+    if m == 1:
+        block_n = 16
+        while block_n > 4 and cdiv(n, block_n) < want:
+            block_n //= 2
+        return SkinnyConfig(1, block_n, min(512, _pow2_at_least(k, 16)))
+    block_m = _pow2_at_least(m, 16)
+    block_n = min(64, _pow2_at_least(4 * m, 16))
+    block_k = min(256, _pow2_at_most(12288 // (block_m + block_n)), _pow2_at_least(k, 16))
+    split_k = 1
+    while (cdiv(n, block_n) * split_k < want and split_k < 8
+           and cdiv(k, block_k) >= 8 * split_k):
+        split_k *= 2
+    return SkinnyConfig(block_m, block_n, block_k, split_k)
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,                 # [M, K]
+    w_ptr,                 # [N, K]
+    bias_ptr,              # [N], read when HAS_BIAS and SPLIT_K == 1
+    out_ptr,               # [M, N], written when SPLIT_K == 1
+    part_ptr,              # [SPLIT_K, M, N] float32, written when SPLIT_K > 1
+    M, N, K,
+    k_per_split,           # a multiple of BLOCK_K
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm   # [BLOCK_M, 1]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn   # [BLOCK_N, 1]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        cols = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = cols < K
+            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)   # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    res = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else acc   # [BLOCK_M, BLOCK_N]
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=mn_mask)
+    else:
+        rows = (pid_k * M + offs_m).to(tl.int64)
+        tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], res, mask=mn_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr,              # [SPLIT_K, M * N] float32
+    bias_ptr,              # [N], read when HAS_BIAS
+    out_ptr,               # [M * N]
+    MN, N,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _processor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SMS
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             max_m: int = SKINNY_M) -> bool:
+    """Whether skinny_linear should serve F.linear(x, weight, bias) (else: fall back to it).
+
+    CUDA, 16-bit floats of one dtype, x [M, K] with 1 <= M <= max_m, K a multiple of 16, unit
+    last strides, a [N] bias, and no autograd (the kernel has no backward)."""
+    return (x.is_cuda and x.dim() == 2 and weight.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.device == x.device
+            and 1 <= x.shape[0] <= min(max_m, MAX_M) and x.shape[1] == weight.shape[1]
+            and x.shape[1] % 16 == 0 and x.stride(1) == 1 and weight.stride(1) == 1
+            and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
+                                  and bias.device == x.device and bias.stride(0) == 1))
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or weight.requires_grad
+                          or (bias is not None and bias.requires_grad))))
+
+
+def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
+                  weight: torch.Tensor,              # [N, K], x's dtype
+                  bias: torch.Tensor | None = None,  # [N], x's dtype
+                  *, config: SkinnyConfig | None = None,
+                  ) -> torch.Tensor:                 # [M, N], x's dtype
+    """Same as reference.linear (F.linear with float32 accumulation); see supports() for when
+    it beats cuBLAS. Allocates the output, and with split_k > 1 a float32 workspace."""
+    dev = x.device
+    check_tensor("x", x, dim=2, dtypes=FLOAT_DTYPES)
+    m, k = x.shape
+    check_tensor("weight", weight, dim=2, dtypes=(x.dtype,), device=dev)
+    check_tensor("weight", weight, shape=(None, k))
+    n = weight.shape[0]
+    if bias is not None:
+        check_tensor("bias", bias, shape=(n,), dtypes=(x.dtype,), device=dev)
+    if m > MAX_M:
+        raise ValueError(f"x: {m} rows, more than the {MAX_M} this kernel serves (use F.linear)")
+    cfg = config or default_config(n, k, m, _processor_count(dev))
+    _check_config(cfg, m)
+    out = torch.empty(m, n, dtype=x.dtype, device=dev)
+    if m == 0 or n == 0:
+        return out
+    k_per_split = cdiv(cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    part = (torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=dev)
+            if cfg.split_k > 1 else out)
+    _skinny_gemm_kernel[(cdiv(n, cfg.block_n), cfg.split_k)](
+        x, weight, bias if bias is not None else weight, out, part,
+        m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, NUM_STAGES=cfg.num_stages,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+    )
+    if cfg.split_k > 1:
+        _sum_splits_kernel[(cdiv(m * n, _SUM_BLOCK),)](
+            part, bias if bias is not None else weight, out, m * n, n,
+            SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4)
+    return out
+
+
+def _check_config(cfg: SkinnyConfig, m: int) -> None:
+    def pow2(v: int) -> bool:
+        return v >= 1 and v & (v - 1) == 0
+
+    if not all(pow2(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k)):
+        raise ValueError(f"{cfg}: block sizes must be powers of two")
+    if cfg.block_m == 1:
+        if m > 1:
+            raise ValueError(f"{cfg}: block_m 1 serves one row, x has {m}")
+    elif cfg.block_m < max(m, 16) or cfg.block_n < 16 or cfg.block_k < 16:
+        raise ValueError(f"{cfg}: tl.dot needs block_m >= max(M={m}, 16), block_n and block_k "
+                         ">= 16")
+    if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
+        raise ValueError(f"{cfg}: split_k, num_warps and num_stages must be >= 1")
