@@ -60,15 +60,25 @@ class RequestOutput:
     prompt_token_ids: list[int]
     new_token_ids: list[int]
     new_text: str
-    output_token_ids: list[int]
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
     metrics: RequestMetrics
+    # The sequence's own output list and how many of its tokens this output covers: the list
+    # only grows (and only a trailing placeholder past that count changes), so its first
+    # `_num_outputs` entries stay this output's tokens, and no step copies every stream's
+    # whole output (which grew quadratically with the output length).
+    _outputs: list[int]
+    _num_outputs: int
     held_block_ids: list[int] | None = None
     block_hashes: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
     text: str = ""  # all output text so far
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every output token so far (a new list each call)."""
+        return self._outputs[:self._num_outputs]
 
 
 @dataclass(slots=True)
@@ -413,7 +423,8 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             new_token_ids=new_ids,
             new_text=new_text,
-            output_token_ids=list(seq.output_token_ids),
+            _outputs=seq.output_token_ids,
+            _num_outputs=seq.num_output_tokens,
             finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_cached_tokens=seq.num_cached_tokens,

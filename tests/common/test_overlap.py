@@ -118,3 +118,21 @@ def test_overlap_auto_is_off_on_cpu_and_with_speculation():
     assert not make_engine("on", speculative_method="ngram").overlap
     with pytest.raises(ValueError, match="overlap_scheduling"):
         EngineConfig(overlap_scheduling="sometimes")
+
+
+def test_each_output_keeps_the_tokens_it_was_made_with():
+    """RequestOutput.output_token_ids reads the sequence's own (growing) list up to its count:
+    an output kept while later steps append, and resolve placeholders, still gives its own
+    tokens, the running sum of new_token_ids."""
+    engine = make_engine("on")
+    prompts, params = workload(6)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    kept = []
+    while engine.has_unfinished():
+        kept += engine.step()
+    seen: dict[str, list[int]] = {}
+    for out in kept:
+        seen.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert out.output_token_ids == seen[out.request_id]
+        assert all(t >= 0 for t in out.output_token_ids)
