@@ -20,23 +20,34 @@ import torch
 from common.kv_transport.blocks import BLOCK_AXIS, check_pool
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
+_MASK = (1 << 64) - 1
 _CHUNK_BYTES = 16 << 20                 # blocks summed per pass, to bound temporary memory
 
 
 def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
-    """Checksum of pool's blocks block_ids, in that order (pool: [layers, 2, blocks, ...])."""
+    """Checksum of pool's blocks block_ids, in that order (pool: [layers, 2, blocks, ...]).
+
+    On a GPU: one upload of the ids, one kernel, one read of the [n, 2] sums (the step's only
+    sync); the weighting and the sum run here, on n pairs of ints."""
     check_pool(pool)
     if (pool.shape[-1] * pool.element_size()) % 4:
         raise ValueError(f"head_dim * itemsize must be a multiple of 4 bytes, pool {pool.shape}")
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
+    index = torch.tensor(list(block_ids), dtype=torch.long)
     if pool.is_cuda and pool.is_contiguous():
         from kernels.block_sums import block_sums  # CPU-only processes never load Triton
+        index = index.pin_memory().to(pool.device, non_blocking=True)
         with torch.cuda.device(pool.device):  # Triton launches on the current device
             sums = block_sums(pool, index)
     else:
-        sums = block_sums_torch(pool, index)
-    weight = torch.arange(1, len(block_ids) + 1, dtype=torch.int64, device=pool.device)
-    return int((weight * (sums[:, 0] + _MIX * sums[:, 1])).sum().item())
+        sums = block_sums_torch(pool, index.to(pool.device))
+    return combine(sums.tolist())
+
+
+def combine(sums: Sequence[Sequence[int]]) -> int:
+    """The checksum from each block's (sum of words, sum of squared words), as int64 arithmetic
+    wrapping mod 2**64 would give it (the module docstring's formula)."""
+    total = sum(j * (s + _MIX * q) for j, (s, q) in enumerate(sums, start=1)) & _MASK
+    return total - (1 << 64) if total >> 63 else total
 
 
 def block_sums_torch(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

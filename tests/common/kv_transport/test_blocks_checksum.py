@@ -82,3 +82,13 @@ def test_dtype_names() -> None:
     assert dtype_from_name("float16") is torch.float16
     with pytest.raises(ValueError):
         dtype_from_name("nn")
+
+
+def test_combine_wraps_like_int64() -> None:
+    """combine() on the host gives what the same formula gives in wrapping int64 tensors."""
+    lo, hi = -(1 << 63), (1 << 63) - 1
+    sums = torch.tensor([[hi, hi], [lo, 7], [-1, lo], [12345, -987654321], [hi, lo]])
+    weight = torch.arange(1, len(sums) + 1, dtype=torch.int64)
+    want = int((weight * (sums[:, 0] + checksum_module._MIX * sums[:, 1])).sum())
+    assert checksum_module.combine(sums.tolist()) == want
+    assert checksum_module.combine([]) == 0
