@@ -47,7 +47,7 @@ run_case() {  # name, prefill device, decode device
     rm -rf /tmp/stack-latency-*
     timeout 280 python3 bench/stack_latency.py --model "dummy:$SHAPE" --vocab 128000 \
         --prefill-device "$2" --decode-device "$3" --local-device "$3" \
-        --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests 8 \
+        --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests 8 --load-streams 16 \
         --engine-flags="$FLAGS" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
     rc=$?
     tail -9 "/tmp/disagg_$1.log"

@@ -20,7 +20,8 @@ hits), greedy, EOS ignored:
   arrival-to-first-token time, which takes the model's compute (and most noise) out.
 - ITL: time between consecutive tokens. Target: within 0.3 ms at p50.
 - Handoff: for 512-token prompts, (publish on the prefill side + claim, reserve, pull, verify
-  and confirm on the decode side) / prefill compute time. Target: at most 5 %.
+  and confirm on the decode side) / prefill compute time. Target: at most 5 %. With
+  --load-streams N, the same handoffs again while N other streams keep the decode engine busy.
 
 Prints a table and writes the figures as JSON.
 """
@@ -58,6 +59,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--handoff-prompt-tokens", type=int, default=512,
                    help="prompt length for the handoff fraction")
     p.add_argument("--handoff-requests", type=int, default=5, help="requests for the handoff")
+    p.add_argument("--load-streams", type=int, default=0,
+                   help="then repeat the handoff requests while this many other streams decode "
+                        "(the decode engine busy: a pull waits for step boundaries and queued "
+                        "steps); 0 = skip")
+    p.add_argument("--load-max-tokens", type=int, default=1024,
+                   help="tokens each --load-streams stream may generate (capped by the model's "
+                        "length; must outlast the loaded handoffs)")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="KV pool of every engine")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="model of every engine")
@@ -149,6 +157,56 @@ def start_stack(args: argparse.Namespace, log_dir: Path):
     raise TimeoutError("the stack did not come up")
 
 
+class Background:
+    """Streams that keep the decode engine busy until stop() (each generates up to max_tokens:
+    make that long enough to outlast the measurement)."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub, prompts: list[list[int]],
+                 max_tokens: int):
+        self.received = [0] * len(prompts)
+        self.calls = [stub.GenerateStream(generation_pb2.GenerateRequest(
+            prompt_token_ids=generation_pb2.TokenIds(ids=p),
+            params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                            ignore_eos=True)), timeout=600) for p in prompts]
+        self.pool = ThreadPoolExecutor(len(prompts))
+        self.done = [self.pool.submit(self._drain, i) for i in range(len(prompts))]
+
+    def _drain(self, i: int) -> None:
+        try:
+            for msg in self.calls[i]:
+                self.received[i] += len(msg.token_ids)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise
+
+    def wait_decoding(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while min(self.received) < 2:
+            if time.monotonic() > deadline or any(f.done() for f in self.done):
+                raise RuntimeError(f"background streams did not start: {self.received}")
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        """Cancel every stream; the tokens they received."""
+        for call in self.calls:
+            call.cancel()
+        for f in self.done:
+            f.result()
+        self.pool.shutdown()
+        return sum(self.received)
+
+
+def handoff_summary(handoffs: list[types_pb2.StageTimings], prompt_tokens: int) -> dict:
+    fractions = [(t.handoff_publish_ms + t.handoff_ms) / t.prefill_compute_ms for t in handoffs]
+    return {
+        "prompt_tokens": prompt_tokens,
+        "prefill_compute_ms_p50": p50([t.prefill_compute_ms for t in handoffs]),
+        "publish_ms_p50": p50([t.handoff_publish_ms for t in handoffs]),
+        "pull_ms_p50": p50([t.handoff_ms for t in handoffs]),
+        "fraction_p50": p50(fractions),
+    }
+
+
 def handoff_bytes_by_transport(metrics_port: int) -> dict[str, float]:
     """The decode service's splitserve_handoff_bytes_total by transport label."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
@@ -197,6 +255,20 @@ def main() -> int:
         handoff_prompts = random_prompts(rng, args.handoff_requests, args.handoff_prompt_tokens,
                                          args.vocab)
         handoffs = [through_stack(stub, p, 2)[1] for p in handoff_prompts]
+        loaded, load_tokens = [], 0
+        if args.load_streams:
+            limit = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=5).max_model_len
+            per_stream = args.load_max_tokens  # limit 0: the gateway does not know it (dummy)
+            if limit:
+                per_stream = min(per_stream, limit - args.prompt_tokens)
+            load = Background(stub, random_prompts(rng, args.load_streams, args.prompt_tokens,
+                                                   args.vocab),
+                              max_tokens=per_stream)
+            try:
+                load.wait_decoding()
+                loaded = [through_stack(stub, p, 2)[1] for p in handoff_prompts]
+            finally:
+                load_tokens = load.stop()
         transports = handoff_bytes_by_transport(args.decode_metrics_port)
     finally:
         channel.close()
@@ -211,7 +283,6 @@ def main() -> int:
     local_around = [t - e for t, (_, e) in zip(local_ttft, local, strict=True)]
     stack_around = [t - (s.prefill_queue_ms + s.prefill_compute_ms)
                     for t, (_, s) in zip(stack_ttft, stack, strict=True)]
-    fractions = [(t.handoff_publish_ms + t.handoff_ms) / t.prefill_compute_ms for t in handoffs]
     result = {
         "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "model": args.model,
@@ -223,14 +294,8 @@ def main() -> int:
         "ttft_outside_engine_ms_p50": {"in_process": p50(local_around),
                                        "stack": p50(stack_around)},
         "itl_overhead_ms_p50": p50(stack_itl) - p50(local_itl),
-        "handoff": {
-            "prompt_tokens": args.handoff_prompt_tokens,
-            "prefill_compute_ms_p50": p50([t.prefill_compute_ms for t in handoffs]),
-            "publish_ms_p50": p50([t.handoff_publish_ms for t in handoffs]),
-            "pull_ms_p50": p50([t.handoff_ms for t in handoffs]),
-            "fraction_p50": p50(fractions),
-            "bytes_by_transport": transports,
-        },
+        "handoff": {**handoff_summary(handoffs, args.handoff_prompt_tokens),
+                    "bytes_by_transport": transports},
         "targets": {"ttft_overhead_ms": 1.0, "itl_overhead_ms": 0.3, "handoff_fraction": 0.05},
     }
     h = result["handoff"]
@@ -246,6 +311,14 @@ def main() -> int:
     print(f"\nhandoff of a {h['prompt_tokens']}-token prompt: publish {h['publish_ms_p50']:.1f} ms + "
           f"pull {h['pull_ms_p50']:.1f} ms over prefill {h['prefill_compute_ms_p50']:.1f} ms = "
           f"{100 * h['fraction_p50']:.1f} % (target <= 5 %); bytes by transport {transports}")
+    if loaded:
+        result["handoff_under_load"] = {**handoff_summary(loaded, args.handoff_prompt_tokens),
+                                        "streams": args.load_streams,
+                                        "their_tokens": load_tokens}
+        h = result["handoff_under_load"]
+        print(f"the same while {args.load_streams} streams decode: publish "
+              f"{h['publish_ms_p50']:.1f} ms + pull {h['pull_ms_p50']:.1f} ms over prefill "
+              f"{h['prefill_compute_ms_p50']:.1f} ms = {100 * h['fraction_p50']:.1f} %")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
