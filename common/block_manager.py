@@ -16,6 +16,7 @@ Rules
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -24,21 +25,37 @@ from typing import NewType
 BlockHash = NewType("BlockHash", int)
 
 
-def hash_block(parent: BlockHash | None, token_ids: Seq[int], extra_keys: tuple = ()) -> BlockHash:
+def _token_bytes(token_ids: Seq[int]) -> bytes:
+    """Each id as 4 little-endian unsigned bytes (struct.error outside [0, 2**32))."""
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _hash_bytes(parent: BlockHash | None, data: bytes, extra: bytes) -> BlockHash:
     h = hashlib.blake2b(digest_size=8)
     h.update((parent or 0).to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
+    h.update(data)
+    if extra:
+        h.update(extra)
     return BlockHash(int.from_bytes(h.digest(), "little") >> 1)
 
 
+def hash_block(parent: BlockHash | None, token_ids: Seq[int], extra_keys: tuple = ()) -> BlockHash:
+    """blake2b-64 (top bit cleared) of the parent hash (8 bytes), the block's token ids
+    (4 bytes each, little-endian) and repr(extra_keys) if any."""
+    return _hash_bytes(parent, _token_bytes(token_ids),
+                       repr(extra_keys).encode() if extra_keys else b"")
+
+
 def hash_prefix_blocks(token_ids: Seq[int], block_size: int, extra_keys: tuple = ()) -> list[BlockHash]:
-    """Chained hashes of every full block of token_ids."""
+    """Chained hashes of every full block of token_ids (the ids packed once, not per block)."""
+    num_full = len(token_ids) // block_size
+    data = _token_bytes(token_ids[:num_full * block_size])
+    extra = repr(extra_keys).encode() if extra_keys else b""
+    step = 4 * block_size
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], extra_keys)
+    for start in range(0, num_full * step, step):
+        parent = _hash_bytes(parent, data[start:start + step], extra)
         hashes.append(parent)
     return hashes
 

@@ -174,7 +174,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(

@@ -104,3 +104,31 @@ def test_random_operations_keep_exact_accounting(ops):
     for t in tables:
         bm.free(t)
     assert bm.num_free_blocks == 16
+
+
+def test_block_hashes_keep_their_documented_bytes():
+    """The registry's prefix index compares hashes across processes and versions: the hash is
+    blake2b-64 of the parent (8 bytes), the ids (4 little-endian bytes each) and the extra keys."""
+    import hashlib
+    import random
+
+    from common.block_manager import hash_block
+
+    def documented(parent, ids, extra=()):
+        h = hashlib.blake2b(digest_size=8)
+        h.update((parent or 0).to_bytes(8, "little"))
+        h.update(b"".join(t.to_bytes(4, "little") for t in ids))
+        if extra:
+            h.update(repr(extra).encode())
+        return int.from_bytes(h.digest(), "little") >> 1
+
+    rng = random.Random(5)
+    for extra in ((), ("lora-a", 3)):
+        tokens = [rng.randrange(2**32) for _ in range(70)]
+        parent, want = None, []
+        for start in range(0, 64, 16):
+            parent = documented(parent, tokens[start:start + 16], extra)
+            want.append(parent)
+        assert hash_prefix_blocks(tokens, 16, extra) == want
+        assert hash_block(want[0], tokens[16:32], extra) == want[1]
+    assert hash_prefix_blocks(tokens[:15], 16) == []
