@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import redis
 
@@ -62,12 +64,17 @@ class HandoffPuller:
             renewal.cancel()
             self.pending.discard(handoff_id)
             if not keep:  # cancelled: free what the job reserved once it is done with it
-                job.add_done_callback(self._free_if_taken)
+                self._free_when_done(job)
 
-    def _free_if_taken(self, job: asyncio.Future) -> None:
-        if not job.cancelled() and job.exception() is None:
-            blocks = job.result()
-            self.loop.call(lambda e: e.free_blocks(blocks))
+    def _free_when_done(self, future: asyncio.Future | Future,
+                        blocks_of: Callable[[Any], list[int]] = lambda result: result) -> None:
+        """Free the blocks a given-up future yields, if it yields any, once it completes."""
+        def done(f: asyncio.Future | Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                blocks = blocks_of(f.result())
+                self.loop.call(lambda e: e.free_blocks(blocks))
+
+        future.add_done_callback(done)
 
     def _take(self, handoff_id: str) -> list[int]:
         """The pull thread's part of pull(): the reserved blocks, or HandoffFailed with every
@@ -87,7 +94,7 @@ class HandoffPuller:
         try:
             blocks, after = reserved.result(timeout=self.receiver.timeout_s)
         except FutureTimeout:
-            reserved.add_done_callback(self._free_if_taken_pair)
+            self._free_when_done(reserved, blocks_of=lambda result: result[0])
             self.metrics.handoff_failures("transfer").inc()
             raise HandoffFailed(f"handoff {handoff_id}: the engine did not reserve {n} blocks "
                                 f"within {self.receiver.timeout_s} s") from None
@@ -114,11 +121,6 @@ class HandoffPuller:
                   "confirm %.2f ms", handoff_id, name, 1e3 * (claimed - start),
                   1e3 * (got - claimed), 1e3 * (pulled - got), 1e3 * (done - pulled))
         return blocks
-
-    def _free_if_taken_pair(self, reserved: Future) -> None:
-        if not reserved.cancelled() and reserved.exception() is None:
-            blocks, _ = reserved.result()
-            self.loop.call(lambda e: e.free_blocks(blocks))
 
     async def _renew(self, handoff_id: str) -> None:
         """Keep the handoff's lease alive while its KV is being pulled (until cancelled)."""
