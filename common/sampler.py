@@ -26,6 +26,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from common.sequence import Sequence
+from common.uploads import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +111,8 @@ class Sampler:
             return self._sample(logits, seqs)
         device = logits.device
         tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
-        greedy_rows = _to_device(greedy, torch.long, device)
-        sampled_rows = _to_device(sampled, torch.long, device)
+        greedy_rows = to_device(greedy, torch.long, device)
+        sampled_rows = to_device(sampled, torch.long, device)
         tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
         tokens[sampled_rows] = self._sample(logits[sampled_rows], [seqs[i] for i in sampled])
         return tokens
@@ -130,7 +131,7 @@ class Sampler:
         else:
             if unseeded:
                 shared = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
-                noise[_to_device(unseeded, torch.long, device)] = shared.exponential_()
+                noise[to_device(unseeded, torch.long, device)] = shared.exponential_()
             for i, seq in enumerate(seqs):
                 if seq.params.seed is not None:
                     noise[i].exponential_(generator=self._generator(seq, vocab, device))
@@ -151,21 +152,13 @@ class Sampler:
         return generator
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without a sync (pinned memory, asynchronous copy)."""
-    tensor = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
-
-
 def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
     """In place: EOS and stop_token_ids get -inf in the given rows (min_tokens not reached)."""
     vocab = logits.shape[1]
     flat = [row * vocab + t for row, seq in zip(rows, seqs, strict=True)
             for t in {*seq.eos_token_ids, *seq.params.stop_token_ids} if t < vocab]
     if flat:
-        logits.view(-1).index_fill_(0, _to_device(flat, torch.long, logits.device), float("-inf"))
+        logits.view(-1).index_fill_(0, to_device(flat, torch.long, logits.device), float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
@@ -180,17 +173,17 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]
                 if t >= 0]
     prompt_flat = [j * vocab + t for j, seq in enumerate(seqs) for t in seq.prompt_token_ids]
     pending = [(j, -t - 1) for j, seq in enumerate(seqs) for t in seq.output_token_ids if t < 0]
-    factors = _to_device(
+    factors = to_device(
         [[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
          for s in seqs], torch.float32, device)
-    out_index = _to_device(out_flat, torch.long, device)
+    out_index = to_device(out_flat, torch.long, device)
     if pending:
         if previous is None:
             raise ValueError("placeholder outputs need the previous step's tokens")
-        where = _to_device(pending, torch.long, device)
+        where = to_device(pending, torch.long, device)
         out_index = torch.cat([out_index, where[:, 0] * vocab + previous[where[:, 1]]])
-    seen_index = torch.cat([_to_device(prompt_flat, torch.long, device), out_index])
-    row_index = _to_device(rows, torch.long, device)
+    seen_index = torch.cat([to_device(prompt_flat, torch.long, device), out_index])
+    row_index = to_device(rows, torch.long, device)
 
     counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
     counts.view(-1).index_add_(0, out_index, torch.ones(out_index.numel(), device=device))
@@ -235,7 +228,7 @@ def _collect(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> D
     # Token ids, sampled logprobs and the top-n pairs travel in one float64 tensor (ids < 2**53
     # are exact) so that the host syncs once.
     n = max(logprobs_n[i] for i in wanted)
-    rows = _to_device(wanted, torch.long, raw.device)
+    rows = to_device(wanted, torch.long, raw.device)
     logprobs = raw[rows].float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))
     top_values, top_ids = logprobs.topk(n, dim=-1)
@@ -267,7 +260,7 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     Temperature, then min-p, then top-k / top-p. Speculative verification judges drafts against
     exactly this p."""
     vocab = logits.shape[1]
-    settings = _to_device(
+    settings = to_device(
         [[p.temperature, p.min_p, float(p.top_k if p.top_k > 0 else vocab), p.top_p]
          for p in params], torch.float32, logits.device)
     logits = logits / settings[:, 0:1]

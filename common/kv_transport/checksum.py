@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from common.kv_transport.blocks import BLOCK_AXIS, check_pool
+from common.uploads import to_device
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 _MASK = (1 << 64) - 1
@@ -32,14 +33,13 @@ def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
     check_pool(pool)
     if (pool.shape[-1] * pool.element_size()) % 4:
         raise ValueError(f"head_dim * itemsize must be a multiple of 4 bytes, pool {pool.shape}")
-    index = torch.tensor(list(block_ids), dtype=torch.long)
+    index = to_device(block_ids, torch.long, pool.device)
     if pool.is_cuda and pool.is_contiguous():
         from kernels.block_sums import block_sums  # CPU-only processes never load Triton
-        index = index.pin_memory().to(pool.device, non_blocking=True)
         with torch.cuda.device(pool.device):  # Triton launches on the current device
             sums = block_sums(pool, index)
     else:
-        sums = block_sums_torch(pool, index.to(pool.device))
+        sums = block_sums_torch(pool, index)
     return combine(sums.tolist())
 
 

@@ -32,9 +32,10 @@ from common.models.attention import AttentionBackend
 from common.models.llama import LlamaModel
 from common.models.loader import load_model
 from common.models.model_config import ModelConfig
-from common.sampler import _to_device, processed_probs
+from common.sampler import processed_probs
 from common.sequence import Sequence
 from common.spec_decode.proposer import Draft, Proposer
+from common.uploads import to_device
 
 
 def load_draft_model(config: EngineConfig, target: ModelConfig, dtype: torch.dtype,
@@ -145,7 +146,7 @@ class DraftModelProposer(Proposer):
                 row.batch_row.token_ids)
             if row.drafts:
                 last.append(end - 1)
-        return self.model.compute_logits(hidden[_to_device(last, torch.long, self.device)])
+        return self.model.compute_logits(hidden[to_device(last, torch.long, self.device)])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 ) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -155,7 +156,7 @@ class DraftModelProposer(Proposer):
         q_rows: list[torch.Tensor | None] = [None] * len(seqs)
         sampled = [k for k, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled:
-            rows = _to_device(sampled, torch.long, logits.device)
+            rows = to_device(sampled, torch.long, logits.device)
             q = processed_probs(logits[rows], [seqs[k].params for k in sampled])
             noise = torch.empty_like(q).exponential_()
             for n, k in enumerate(sampled):

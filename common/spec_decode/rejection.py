@@ -31,8 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from common.sampler import Sampler, _mask_stop_tokens, _to_device, processed_probs
+from common.sampler import Sampler, _mask_stop_tokens, processed_probs
 from common.sequence import Sequence
+from common.uploads import to_device
 
 
 class VerifyOutput(NamedTuple):
@@ -68,13 +69,13 @@ class RejectionSampler:
             _mask_stop_tokens(logits, [seqs[owner[r]] for r in masked], masked)
         # The draft each row judges; -1 on a sequence's last row (the bonus position).
         judged_host = [d[j] if j < len(d) else -1 for d in drafts for j in range(len(d) + 1)]
-        judged = _to_device(judged_host, torch.long, device)
+        judged = to_device(judged_host, torch.long, device)
         token = logits.argmax(dim=-1)  # greedy rows keep this
         accept = token == judged
         sampled = [r for r, i in enumerate(owner) if not seqs[i].params.greedy]
         states: dict[int, list[torch.Tensor]] = {}
         if sampled:
-            rows = _to_device(sampled, torch.long, device)
+            rows = to_device(sampled, torch.long, device)
             probs = processed_probs(logits[rows], [seqs[owner[r]].params for r in sampled])
             noise = self._noise([owner[r] for r in sampled], seqs, vocab, device, states)
             # Rows judging a draft sampled from a known q: the textbook rule. The others
@@ -83,11 +84,11 @@ class RejectionSampler:
                      if draft_probs[owner[r]] is not None and judged_host[r] >= 0]
             target = probs
             if dense:
-                local = _to_device(dense, torch.long, device)
+                local = to_device(dense, torch.long, device)
                 # Dense rows are every draft row of their sequences, in order.
                 q = torch.cat([q_i for i, q_i in enumerate(draft_probs)
                                if q_i is not None and not seqs[i].params.greedy])
-                x = _to_device([[judged_host[sampled[k]]] for k in dense], torch.long, device)
+                x = to_device([[judged_host[sampled[k]]] for k in dense], torch.long, device)
                 p = probs[local]
                 u = torch.exp(-noise[local].gather(1, x))
                 dense_accept = (u * q.gather(1, x) <= p.gather(1, x)).squeeze(1)
@@ -125,7 +126,7 @@ class RejectionSampler:
             noise.exponential_()
         elif unseeded:
             shared = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
-            noise[_to_device(unseeded, torch.long, device)] = shared.exponential_()
+            noise[to_device(unseeded, torch.long, device)] = shared.exponential_()
         for r, i in enumerate(owners):
             if seqs[i].params.seed is not None:
                 generator = self.sampler._generator(seqs[i], vocab, device)
