@@ -85,11 +85,12 @@ class RecordingSampler(Sampler):
         super().__init__()
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               previous: torch.Tensor | None = None) -> DeviceSample:
         host = logits.float().cpu()
         for row, seq in zip(host, seqs, strict=True):
             self.logits[seq.request_id].append(row)
-        return super().sample(logits, seqs)
+        return super().sample(logits, seqs, previous)
 
 
 @torch.inference_mode()

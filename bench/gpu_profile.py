@@ -6,6 +6,9 @@ torch.profiler and prints, per kernel kind (matmul, attention, norm, rotary/stor
 other), the summed GPU time per step and, for the matmuls, their share of the weight-read floor.
 
     PYTHONPATH=. python3 bench/gpu_profile.py --batch 1 256 --out profile.json
+
+--ops fused unfused profiles the same steps twice, each on a fresh engine: with the batch-1
+fusions of kernels.fused_gemv (the CUDA path's ops) and without them (an A/B in one run).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from common.config import EngineConfig
 from common.engine import LLMEngine
+from common.models import ops_triton
 from common.sampling_params import SamplingParams
 
 KINDS = (("attention", ("decode", "extend", "attn")), ("rotary/store", ("rotary", "store")),
@@ -120,6 +124,45 @@ def profile_ttft(engine: LLMEngine, cached: int, new: int, reps: int) -> dict:
             "runner_steps": dict(engine.runner.steps)}
 
 
+def print_kernels(r: dict) -> None:
+    for kind, us in sorted(r["kernel_us_by_kind"].items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:14s} {us:9.1f} us")
+    for name, us in list(r["top_kernels_us"].items())[:8]:
+        print(f"    {us:9.1f} us  {name}")
+
+
+def profile_variant(args: argparse.Namespace, variant: str, ttft: bool) -> list[dict]:
+    chosen = ops_triton.TRITON_OPS if variant == "fused" else ops_triton.TRITON_OPS_UNFUSED
+    fused = ops_triton.TRITON_OPS
+    ops_triton.TRITON_OPS = chosen   # read by CudaGraphRunner when the engine is built
+    try:
+        engine = LLMEngine(EngineConfig(
+            model=f"dummy:{args.shape}", dtype="bfloat16", device="cuda", num_kv_blocks=12000,
+            max_num_seqs=max(args.batch), max_num_batched_tokens=8192, max_model_len=2048))
+    finally:
+        ops_triton.TRITON_OPS = fused
+    results = []
+    for b in args.batch:
+        r = profile_batch(engine, b, args.context, args.reps)
+        r["ops"] = variant
+        results.append(r)
+        floor_us = r["matrix_weight_bytes"] / (args.copy_tb_s * 1e12) * 1e6
+        print(f"[{variant}] batch {b}: replay {r['replay_us']:.0f} us, kernels "
+              f"{r['kernel_us_sum']:.0f} us in {r['kernels_per_step']:.0f} launches; "
+              f"weight-read floor {floor_us:.0f} us")
+        print_kernels(r)
+    if ttft:
+        r = profile_ttft(engine, 500, 100, args.reps)
+        r["ops"] = variant
+        results.append(r)
+        print(f"[{variant}] TTFT {r['cached']} cached + {r['new']} new: wall "
+              f"{r['wall_us']:.0f} us, kernels {r['kernel_us_sum']:.0f} us")
+        print_kernels(r)
+    del engine
+    torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3-8b")
@@ -128,29 +171,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--copy-tb-s", type=float, default=4.27, help="measured copy bandwidth")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ops", nargs="+", choices=["fused", "unfused"], default=["fused"],
+                    help="the CUDA path's ops, or those without the batch-1 fusions")
+    ap.add_argument("--no-ttft", action="store_true", help="skip the prefix-cached TTFT profile")
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=f"dummy:{args.shape}", dtype="bfloat16", device="cuda",
-                                    num_kv_blocks=12000, max_num_seqs=max(args.batch),
-                                    max_num_batched_tokens=8192, max_model_len=2048))
     results = []
-    for b in args.batch:
-        r = profile_batch(engine, b, args.context, args.reps)
-        results.append(r)
-        floor_us = r["matrix_weight_bytes"] / (args.copy_tb_s * 1e12) * 1e6
-        print(f"batch {b}: replay {r['replay_us']:.0f} us, kernels {r['kernel_us_sum']:.0f} us "
-              f"in {r['kernels_per_step']:.0f} launches; weight-read floor {floor_us:.0f} us")
-        for kind, us in sorted(r["kernel_us_by_kind"].items(), key=lambda kv: -kv[1]):
-            print(f"  {kind:14s} {us:9.1f} us")
-        for name, us in list(r["top_kernels_us"].items())[:8]:
-            print(f"    {us:9.1f} us  {name}")
-    r = profile_ttft(engine, 500, 100, args.reps)
-    results.append(r)
-    print(f"TTFT {r['cached']} cached + {r['new']} new: wall {r['wall_us']:.0f} us, "
-          f"kernels {r['kernel_us_sum']:.0f} us")
-    for kind, us in sorted(r["kernel_us_by_kind"].items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:14s} {us:9.1f} us")
-    for name, us in list(r["top_kernels_us"].items())[:8]:
-        print(f"    {us:9.1f} us  {name}")
+    for variant in args.ops:
+        results += profile_variant(args, variant, ttft=not args.no_ttft and variant == args.ops[0])
     args.out.write_text(json.dumps(results, indent=1))
 
 

@@ -161,7 +161,7 @@ def _sum_splits_kernel(
 
 
 @functools.cache
-def _processor_count(device: torch.device) -> int:
+def processor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return H200_SMS
@@ -202,7 +202,7 @@ def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
         check_tensor("bias", bias, shape=(n,), dtypes=(x.dtype,), device=dev)
     if m > MAX_M:
         raise ValueError(f"x: {m} rows, more than the {MAX_M} this kernel serves (use F.linear)")
-    cfg = config or default_config(n, k, m, _processor_count(dev))
+    cfg = config or default_config(n, k, m, processor_count(dev))
     _check_config(cfg, m)
     out = torch.empty(m, n, dtype=x.dtype, device=dev)
     if m == 0 or n == 0:

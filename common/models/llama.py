@@ -3,16 +3,16 @@ Qwen2/2.5, running on a paged KV cache.
 
 One step takes a flat batch of T tokens (see AttentionMetadata). Per layer:
 
-    h, res = rms_norm(h, res)             fused residual add + norm
-    q|k|v  = h @ Wqkv (+ bias on Qwen2)   one matmul
-    q      = rotary(q); store rotary(k), v in the paged cache   (one op: ops.rotary_store)
-    o      = paged attention(q, cache)
-    h      = o @ Wo
-    h, res = rms_norm(h, res)
-    h      = silu_and_mul(h @ Wgate|up) @ Wdown
+    q|k|v, res = rms_norm(h + res) @ Wqkv (+ bias on Qwen2)   ops.norm_linear
+    q          = rotary(q); store rotary(k), v in the paged cache   (ops.rotary_store)
+    o          = paged attention(q, cache)
+    h          = o @ Wo
+    g|u, res   = rms_norm(h + res) @ Wgate|up                   ops.norm_linear
+    h          = silu(g) * u @ Wdown                            ops.act_linear
 
 The element-wise ops and the projections' matmuls go through `model.ops` (a ModelOps) so a CUDA
-path can swap in kernels (common.models.ops_triton).
+path can swap in kernels (common.models.ops_triton), which fuse each norm and the activation into
+the matmul after it at batch 1.
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ class Attention(nn.Module):
                                 dtype, device)
         self.o_proj = _linear(c.q_size, c.hidden_size, False, dtype, device)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend, ops: ModelOps) -> torch.Tensor:
-        t = h.shape[0]
-        qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
+        """qkv: the qkv projection of the normed hidden states (the layer computes it, fused
+        with the norm)."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -74,9 +75,10 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(c.hidden_size, 2 * c.intermediate_size, False, dtype, device)
         self.down_proj = _linear(c.intermediate_size, c.hidden_size, False, dtype, device)
 
-    def forward(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        gate_up = ops.linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+    def forward(self, gate_up: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        """gate_up: the gate|up projection of the normed hidden states (the layer computes it,
+        fused with the norm)."""
+        return ops.act_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -91,11 +93,13 @@ class DecoderLayer(nn.Module):
                 cos_sin: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        h, residual = ops.rms_norm(h, norm1.weight, norm1.eps, residual)
-        h = self.self_attn(h, positions, cos_sin, layer_cache[0], layer_cache[1], meta,
-                           backend, ops)
-        h, residual = ops.rms_norm(h, norm2.weight, norm2.eps, residual)
-        return self.mlp(h, ops), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = ops.norm_linear(h, residual, norm1.weight, norm1.eps,
+                                        attn.qkv_proj.weight, attn.qkv_proj.bias)
+        h = attn(qkv, positions, cos_sin, layer_cache[0], layer_cache[1], meta, backend, ops)
+        gate_up, residual = ops.norm_linear(h, residual, norm2.weight, norm2.eps,
+                                            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return mlp(gate_up, ops), residual
 
 
 class LlamaModel(nn.Module):

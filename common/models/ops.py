@@ -21,6 +21,11 @@ RmsNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
                    tuple[torch.Tensor, torch.Tensor]]
 SiluAndMul = Callable[[torch.Tensor], torch.Tensor]
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (h, residual, norm weight, eps, weight, bias) -> (linear(rms_norm(h + residual)), new residual)
+NormLinear = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float, torch.Tensor,
+                       torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+# (gate | up, weight, bias) -> linear(silu(gate) * up)
+ActLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (q, k, v, positions, cos_sin, k_cache, v_cache, meta, backend) -> rotated q
 RotaryStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         torch.Tensor, torch.Tensor, AttentionMetadata, AttentionBackend],
@@ -35,6 +40,26 @@ class ModelOps:
     # One op so that a kernel can fuse the two (the rotated k never exists outside the cache).
     rotary_store: RotaryStore
     linear: Linear             # (x, weight [N, K], bias [N] or None) -> x @ weight.T + bias
+    # rms_norm then linear, and silu_and_mul then linear: one op each so that a kernel can fuse
+    # the element-wise op into the matmul's input (kernels.fused_gemv at batch 1).
+    norm_linear: NormLinear
+    act_linear: ActLinear
+
+
+def compose_norm_linear(rms_norm: RmsNorm, linear: Linear) -> NormLinear:
+    def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = rms_norm(h, norm_weight, eps, residual)
+        return linear(x, weight, bias), residual
+    return norm_linear
+
+
+def compose_act_linear(silu_and_mul: SiluAndMul, linear: Linear) -> ActLinear:
+    def act_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(silu_and_mul(gate_up), weight, bias)
+    return act_linear
 
 
 def reference_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -51,4 +76,6 @@ REFERENCE_OPS = ModelOps(
     silu_and_mul=reference.silu_and_mul,
     rotary_store=reference_rotary_store,
     linear=F.linear,
+    norm_linear=compose_norm_linear(reference.rms_norm, F.linear),
+    act_linear=compose_act_linear(reference.silu_and_mul, F.linear),
 )

@@ -4,16 +4,20 @@ rms_norm (with the fused residual add) and silu_and_mul come from kernels.norm_a
 the K/V store are one launch (kernels.kv_store.rotary_store_kv), which writes K/V by slot mapping
 itself, so the attention backend's store_kv is not called on this path. linear runs the skinny
 GEMM (kernels.skinny_gemm) for the few rows of a decode step and cuBLAS (F.linear) otherwise.
+At batch 1, norm_linear and act_linear are one launch each (kernels.fused_gemv); with more rows
+they are the two ops in turn.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from common.models.attention import AttentionBackend, AttentionMetadata
-from common.models.ops import ModelOps
-from kernels import kv_store, norm_act, skinny_gemm
+from common.models.ops import ModelOps, compose_act_linear, compose_norm_linear
+from kernels import fused_gemv, kv_store, norm_act, skinny_gemm
 
 
 def _rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -29,9 +33,34 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return F.linear(x, weight, bias)
 
 
+_norm_linear_unfused = compose_norm_linear(norm_act.rms_norm, _linear)
+_act_linear_unfused = compose_act_linear(norm_act.silu_and_mul, _linear)
+
+
+def _norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                 eps: float, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if fused_gemv.supports(h, weight, bias):
+        return fused_gemv.norm_linear(h, residual, norm_weight, eps, weight, bias)
+    return _norm_linear_unfused(h, residual, norm_weight, eps, weight, bias)
+
+
+def _act_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    if fused_gemv.supports(gate_up, weight, bias):
+        return fused_gemv.act_linear(gate_up, weight, bias)
+    return _act_linear_unfused(gate_up, weight, bias)
+
+
 TRITON_OPS = ModelOps(
     rms_norm=norm_act.rms_norm,
     silu_and_mul=norm_act.silu_and_mul,
     rotary_store=_rotary_store,
     linear=_linear,
+    norm_linear=_norm_linear,
+    act_linear=_act_linear,
 )
+# The same ops without kernels.fused_gemv: the two launches in turn at every batch size (the
+# fusion's A/B in bench/gpu_profile.py --ops).
+TRITON_OPS_UNFUSED = dataclasses.replace(TRITON_OPS, norm_linear=_norm_linear_unfused,
+                                         act_linear=_act_linear_unfused)

@@ -1,0 +1,156 @@
+"""Batch-1 projections with the op before them fused in: one launch where there were two.
+
+At batch-1 decode every projection is a weight stream (kernels.skinny_gemm), and the small ops
+between them (the residual add + RMSNorm before qkv and gate|up, SiLU-and-mul before down) are
+launches of about 2 us each that move a few KB. Here the GEMV computes its own input while it
+streams the weight, so those launches disappear:
+
+    norm_linear:  out = rms_norm(h + residual) @ W.T (+ bias), and the new residual h + residual
+    act_linear:   out = (silu(gate) * up) @ W.T (+ bias)
+
+The norm needs the whole row's sum of squares, but every program walks the whole row (K) anyway,
+so it folds the norm's scale out of the sum:
+
+    out[n] = sum_k W[n, k] * v[k] * rstd * g[k] = rstd * sum_k W[n, k] * (v[k] * g[k])
+
+with v = h + residual (rounded to h's dtype, as the unfused add stores it), g the norm weight and
+rstd = 1 / sqrt(mean(v^2) + eps) from the same K loop. Rounding: the unfused path rounds v * rstd
+and then (v * rstd) * g to h's dtype before the matmul; this path keeps them in float32 and rounds
+once, at the output (so it is the more exact of the two; they differ by about one bf16 ulp of the
+activations). act_linear rounds exactly where reference.silu_and_mul does, so it matches the
+unfused path bit for bit up to the float32 summation order.
+
+Program 0 alone writes the new residual (every program reads the old one, so it cannot be
+updated in place). Launch parameters are skinny_gemm's for M == 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor
+from kernels.skinny_gemm import default_config, processor_count
+
+PROLOGUE_NORM = 1   # x = rms_norm(h + residual) * g
+PROLOGUE_ACT = 2    # x = silu(gate) * up
+
+
+@triton.jit
+def _fused_gemv_kernel(
+    h_ptr,                 # [K] (norm) or [2K] gate | up (act)
+    res_ptr,               # [K], read when HAS_RESIDUAL
+    g_ptr,                 # [K] norm weight (norm)
+    w_ptr,                 # [N, K]
+    bias_ptr,              # [N], read when HAS_BIAS
+    out_ptr,               # [N]
+    res_out_ptr,           # [K], written by program 0 when HAS_RESIDUAL
+    N, K, stride_wn, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn   # [BLOCK_N, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    res_end = tl.where(pid == 0, K, 0)   # program 0 writes the new residual, the rest do not
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        cols = k0 + offs_k
+        k_mask = cols < K
+        if PROLOGUE == 1:
+            v = tl.load(h_ptr + cols, mask=k_mask, other=0.0)
+            if HAS_RESIDUAL:
+                v = (v.to(tl.float32) + tl.load(res_ptr + cols, mask=k_mask,
+                                                other=0.0).to(tl.float32)).to(v.dtype)
+                tl.store(res_out_ptr + cols, v, mask=cols < res_end)
+            vf = v.to(tl.float32)
+            sq += vf * vf
+            x = vf * tl.load(g_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        else:
+            gate = tl.load(h_ptr + cols, mask=k_mask, other=0.0)
+            up = tl.load(h_ptr + K + cols, mask=k_mask, other=0.0)
+            gf = gate.to(tl.float32)
+            act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)
+            x = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    res = tl.sum(acc, 1)
+    if PROLOGUE == 1:
+        res = res * tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    if HAS_BIAS:
+        res += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether norm_linear / act_linear serve x [1, K] (act: [1, 2K]) with this weight on the
+    GPU: the conditions of skinny_gemm.supports at M == 1, on the matmul's input width."""
+    k = weight.shape[-1] if weight.dim() == 2 else -1
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] in (k, 2 * k)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.device == x.device and k % 16 == 0
+            and x.stride(1) == 1 and weight.stride(1) == 1
+            and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
+                                  and bias.stride(0) == 1))
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or weight.requires_grad
+                          or (bias is not None and bias.requires_grad))))
+
+
+def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,
+            g: torch.Tensor | None, eps: float, weight: torch.Tensor,
+            bias: torch.Tensor | None, res_out: torch.Tensor | None) -> torch.Tensor:
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=h.dtype, device=h.device)
+    cfg = default_config(n, k, 1, processor_count(h.device))
+    _fused_gemv_kernel[(cdiv(n, cfg.block_n),)](
+        h, residual if residual is not None else h, g if g is not None else h, weight,
+        bias if bias is not None else weight, out, res_out if res_out is not None else h,
+        n, k, weight.stride(0), eps,
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def _check(h: torch.Tensor, width: int, weight: torch.Tensor,
+           bias: torch.Tensor | None) -> None:
+    dev = h.device
+    check_tensor("h", h, shape=(1, width), dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, dim=2, dtypes=(h.dtype,), device=dev)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(h.dtype,), device=dev)
+
+
+def norm_linear(h: torch.Tensor,                     # [1, K]
+                residual: torch.Tensor | None,       # [1, K], h's dtype
+                norm_weight: torch.Tensor,           # [K]
+                eps: float,
+                weight: torch.Tensor,                # [N, K], h's dtype
+                bias: torch.Tensor | None = None,    # [N]
+                ) -> tuple[torch.Tensor, torch.Tensor]:   # [1, N], new residual [1, K]
+    """rms_norm(h, norm_weight, eps, residual) then linear, in one launch; returns (out,
+    new_residual) where new_residual is h + residual (a new tensor), or h without a residual."""
+    k = weight.shape[-1]
+    _check(h, k, weight, bias)
+    check_tensor("norm_weight", norm_weight, shape=(k,), dtypes=FLOAT_DTYPES, device=h.device)
+    res_out = None
+    if residual is not None:
+        check_tensor("residual", residual, shape=(1, k), dtypes=(h.dtype,), device=h.device)
+        res_out = torch.empty_like(h)
+    out = _launch(PROLOGUE_NORM, h, residual, norm_weight, eps, weight, bias, res_out)
+    return out, (res_out if res_out is not None else h)
+
+
+def act_linear(gate_up: torch.Tensor,             # [1, 2K]: gate | up
+               weight: torch.Tensor,              # [N, K], gate_up's dtype
+               bias: torch.Tensor | None = None,  # [N]
+               ) -> torch.Tensor:                 # [1, N]
+    """silu_and_mul(gate_up) then linear, in one launch."""
+    _check(gate_up, 2 * weight.shape[-1], weight, bias)
+    return _launch(PROLOGUE_ACT, gate_up, None, None, 0.0, weight, bias, None)
