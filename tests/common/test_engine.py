@@ -12,6 +12,7 @@ from common.engine import LLMEngine
 from common.sampling_params import InvalidRequestError, SamplingParams
 
 NEW_TOKENS = 64
+HF_BATCH = 4
 TOPICS = [
     "the history of the printing press", "how a refrigerator works", "the rules of chess",
     "why the sky is blue", "a recipe for bread", "the life cycle of a star",
@@ -66,16 +67,29 @@ def prompts(engine_factory):
 
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2_dir, prompts):
+    """HF's greedy outputs, generated in batches of prompts of similar length (left-padded,
+    masked): a fourth of the time of one prompt at a time, the same float32 model."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    outs = []
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outs: dict[int, list[int]] = {}
     with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                               do_sample=False)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
+        for group in (order[i:i + HF_BATCH] for i in range(0, len(order), HF_BATCH)):
+            width = max(len(prompts[i]) for i in group)
+            x = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros_like(x)
+            for row, i in enumerate(group):
+                x[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]):] = 1
+            y = model.generate(x, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                               do_sample=False, pad_token_id=0)
+            for row, i in enumerate(group):   # a row that ended early is padded after its EOS
+                out = y[row, width:].tolist()
+                end = next((j + 1 for j, t in enumerate(out) if t in eos), len(out))
+                outs[i] = out[:end]
+    return [outs[i] for i in range(len(prompts))]
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
