@@ -14,6 +14,12 @@ per (projection, M) next to F.linear (torch's default library), each as a fracti
 floor, and names the fastest config of each (rows default to 1 4 16; about a minute on an H200):
 
     PYTHONPATH=. python3 bench/gpu_matmul.py --skinny --out skinny.json
+
+With --fused it times the batch-1 GEMVs that kernels.fused_gemv fuses (qkv and gate_up with the
+norm on their input, down with SiLU-and-mul) for a few configs, next to the plain skinny GEMV of
+the same weight:
+
+    PYTHONPATH=. python3 bench/gpu_matmul.py --fused --out fused.json
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch.nn.functional as F
 import triton
 
 from common.models.dummy import dummy_config
+from kernels.fused_gemv import act_linear, norm_linear
 from kernels.skinny_gemm import MAX_M, SkinnyConfig, default_config, skinny_linear
 
 LIBRARIES = ("default", "cublas", "cublaslt")
@@ -155,17 +162,69 @@ def bench_skinny(args: argparse.Namespace) -> dict:
             "best": best}
 
 
+FUSED_CANDIDATES = [SkinnyConfig(1, 16, 512), SkinnyConfig(1, 8, 512), SkinnyConfig(1, 32, 512),
+                    SkinnyConfig(1, 16, 256), SkinnyConfig(1, 16, 1024),
+                    SkinnyConfig(1, 16, 512, num_stages=3), SkinnyConfig(1, 16, 512, num_stages=6),
+                    SkinnyConfig(1, 16, 512, num_warps=8), SkinnyConfig(1, 32, 512, num_warps=8),
+                    SkinnyConfig(1, 8, 1024, num_warps=8)]
+
+
+def bench_fused(args: argparse.Namespace) -> dict:
+    """Plain skinny GEMV (default config) and fused-GEMV candidates per fused projection."""
+    results = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("| proj | impl | config | us | of floor | vs plain |\n|---|---|---|---|---|---|")
+    bf16 = torch.bfloat16
+    for name, (n, k) in projections(args.shape).items():
+        if name not in ("qkv", "gate_up", "down"):
+            continue
+        copies = max(2, int(512e6 // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=bf16) * 0.02 for _ in range(copies)]
+        floor = n * k * 2 / (args.copy_tb_s * 1e12) * 1e6
+        x = torch.randn(1, k, device="cuda", dtype=bf16)
+        res = torch.randn(1, k, device="cuda", dtype=bf16)
+        g = torch.ones(k, device="cuda", dtype=bf16)
+        gate_up = torch.randn(1, 2 * k, device="cuda", dtype=bf16)
+        plain = time_calls(lambda x, w: skinny_linear(x, w), x, weights)
+        rows = [("plain", default_config(n, k, 1, sms), plain)]
+        for cfg in FUSED_CANDIDATES:
+            if name == "down":
+                def act(x: torch.Tensor, w: torch.Tensor,
+                        cfg: SkinnyConfig = cfg) -> torch.Tensor:
+                    return act_linear(x, w, config=cfg)
+                rows.append(("fused", cfg, time_calls(act, gate_up, weights)))
+            else:
+                def norm(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = cfg,
+                         res: torch.Tensor = res, g: torch.Tensor = g) -> torch.Tensor:
+                    return norm_linear(x, res, g, 1e-5, w, config=cfg)[0]
+                rows.append(("fused", cfg, time_calls(norm, x, weights)))
+        for impl, cfg, us in rows:
+            results.append({"proj": name, "n": n, "k": k, "impl": impl, "config": cfg._asdict(),
+                            "us": us, "of_floor": floor / us, "vs_plain": plain / us})
+            print(f"| {name} | {impl} | {_config_name(cfg)} | {us:.1f} | {floor / us:.2f} | "
+                  f"{plain / us:.2f} |")
+        del weights
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "copy_tb_s": args.copy_tb_s, "results": results}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--rows", type=int, nargs="+",
                     help="rows M (default 1 8 64 128 256; with --skinny 1 4 16)")
+    ap.add_argument("--fused", action="store_true",
+                    help="time the batch-1 fused GEMVs (kernels.fused_gemv) against plain ones")
     ap.add_argument("--skinny", action="store_true",
                     help="time skinny_linear configs against F.linear instead of the libraries")
     ap.add_argument("--copy-tb-s", type=float, default=4.27)
     ap.add_argument("--matmul-tflops", type=float, default=790.0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.fused:
+        args.out.write_text(json.dumps(bench_fused(args), indent=1))
+        return
     if args.skinny:
         args.rows = args.rows or [1, 4, 16]
         if max(args.rows) > MAX_M:
