@@ -21,7 +21,8 @@ activations). act_linear rounds exactly where reference.silu_and_mul does, so it
 unfused path bit for bit up to the float32 summation order.
 
 Program 0 alone writes the new residual (every program reads the old one, so it cannot be
-updated in place). Launch parameters are skinny_gemm's for M == 1.
+updated in place). Launch parameters are skinny_gemm's for M == 1 unless a config is given
+(bench/gpu_matmul.py --fused sweeps them).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor
-from kernels.skinny_gemm import default_config, processor_count
+from kernels.skinny_gemm import SkinnyConfig, default_config, processor_count
 
 PROLOGUE_NORM = 1   # x = rms_norm(h + residual) * g
 PROLOGUE_ACT = 2    # x = silu(gate) * up
@@ -103,10 +104,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,
             g: torch.Tensor | None, eps: float, weight: torch.Tensor,
-            bias: torch.Tensor | None, res_out: torch.Tensor | None) -> torch.Tensor:
+            bias: torch.Tensor | None, res_out: torch.Tensor | None,
+            cfg: SkinnyConfig | None) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(1, n, dtype=h.dtype, device=h.device)
-    cfg = default_config(n, k, 1, processor_count(h.device))
+    cfg = cfg or default_config(n, k, 1, processor_count(h.device))
+    if cfg.block_m != 1 or cfg.split_k != 1:
+        raise ValueError(f"{cfg}: the fused GEMV takes block_m 1 and split_k 1")
     _fused_gemv_kernel[(cdiv(n, cfg.block_n),)](
         h, residual if residual is not None else h, g if g is not None else h, weight,
         bias if bias is not None else weight, out, res_out if res_out is not None else h,
@@ -133,6 +137,7 @@ def norm_linear(h: torch.Tensor,                     # [1, K]
                 eps: float,
                 weight: torch.Tensor,                # [N, K], h's dtype
                 bias: torch.Tensor | None = None,    # [N]
+                *, config: SkinnyConfig | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:   # [1, N], new residual [1, K]
     """rms_norm(h, norm_weight, eps, residual) then linear, in one launch; returns (out,
     new_residual) where new_residual is h + residual (a new tensor), or h without a residual."""
@@ -143,14 +148,15 @@ def norm_linear(h: torch.Tensor,                     # [1, K]
     if residual is not None:
         check_tensor("residual", residual, shape=(1, k), dtypes=(h.dtype,), device=h.device)
         res_out = torch.empty_like(h)
-    out = _launch(PROLOGUE_NORM, h, residual, norm_weight, eps, weight, bias, res_out)
+    out = _launch(PROLOGUE_NORM, h, residual, norm_weight, eps, weight, bias, res_out, config)
     return out, (res_out if res_out is not None else h)
 
 
 def act_linear(gate_up: torch.Tensor,             # [1, 2K]: gate | up
                weight: torch.Tensor,              # [N, K], gate_up's dtype
                bias: torch.Tensor | None = None,  # [N]
+               *, config: SkinnyConfig | None = None,
                ) -> torch.Tensor:                 # [1, N]
     """silu_and_mul(gate_up) then linear, in one launch."""
     _check(gate_up, 2 * weight.shape[-1], weight, bias)
-    return _launch(PROLOGUE_ACT, gate_up, None, None, 0.0, weight, bias, None)
+    return _launch(PROLOGUE_ACT, gate_up, None, None, 0.0, weight, bias, None, config)
