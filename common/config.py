@@ -29,6 +29,7 @@ class EngineConfig:
     model_cache_dir: str = str(DEFAULT_CACHE_DIR)
     seed: int = 0
     cpu_threads: int = 0                # torch intra-op threads on CPU; 0 = torch's default
+    cpu_linear: str = "auto"            # auto -> onednn where available, else torch
     speculative_method: str | None = None  # None (off), "ngram" or "draft"
     speculative_model: str | None = None   # the draft model (method "draft")
     num_speculative_tokens: int = 6
@@ -56,6 +57,9 @@ class EngineConfig:
         "seed": "seed for dummy weights and unseeded sampling",
         "cpu_threads": "torch threads on CPU (0: one per core); give each service its share "
                        "when several run on one machine",
+        "cpu_linear": "CPU matmuls of the projections: onednn (weights packed once for oneDNN; "
+                      "faster at 1-64 rows, but holds a second copy of the weights, doubling "
+                      "their memory), torch (F.linear), or auto (onednn where available)",
         "speculative_method": "speculative decoding: ngram (prompt lookup) or draft (a smaller "
                               "model, --speculative-model); default off",
         "speculative_model": "draft model for --speculative-method draft (same tokenizer and "
@@ -74,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.cpu_linear not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -22,6 +22,7 @@ import torch
 from common.config import EngineConfig
 from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.model_config import ModelConfig
+from common.models.ops_onednn import install_cpu_ops
 from common.sampler import DeviceSample, Sampler, TokenLogprobs
 from common.scheduler import ScheduledSeq, SchedulerOutput
 from common.sequence import Sequence
@@ -148,6 +149,8 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype,
                  kv_cache_allocator: KVAllocator | None = None, *,
                  extra_bytes_per_block: int = 0):
+        if device.type == "cpu":
+            install_cpu_ops(model, config.cpu_linear)
         self.model = model
         self.mc = model_config
         self.config = config

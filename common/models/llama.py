@@ -135,10 +135,14 @@ class LlamaModel(nn.Module):
         h, _ = self.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
         return h
 
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: lm_head's weight, or the embedding table when the two are tied."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.linear(hidden, head.weight, None).float()
+        return self.ops.linear(hidden, self.logits_weight, None).float()
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF checkpoint tensor name this model needs -> the parameter rows it fills.

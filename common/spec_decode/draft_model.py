@@ -32,6 +32,7 @@ from common.models.attention import AttentionBackend
 from common.models.llama import LlamaModel
 from common.models.loader import load_model
 from common.models.model_config import ModelConfig
+from common.models.ops_onednn import install_cpu_ops
 from common.sampler import processed_probs
 from common.sequence import Sequence
 from common.spec_decode.proposer import Draft, Proposer
@@ -43,6 +44,8 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, dtype: torch.dty
     assert config.speculative_model is not None
     model, mc = load_model(config.speculative_model, dtype=dtype, device=device,
                            cache_dir=config.model_cache_dir)
+    if device.type == "cpu":
+        install_cpu_ops(model, config.cpu_linear)
     if mc.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {config.speculative_model!r} has vocabulary size "
                          f"{mc.vocab_size}, the target {target.vocab_size}: they must match")

@@ -1,0 +1,153 @@
+"""OneDnnLinear against F.linear, its fall-backs and packing count, and the engine's greedy tokens
+with cpu_linear onednn against torch on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.models.ops import REFERENCE_OPS
+from common.models.ops_onednn import (
+    OneDnnLinear,
+    install_cpu_ops,
+    onednn_available,
+    resolve_cpu_linear,
+)
+from common.sampling_params import SamplingParams
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no usable oneDNN")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 7, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(rows: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(192, 576, generator=g)
+    bias = torch.randn(192, generator=g) if with_bias else None
+    x = torch.randn(rows, 576, generator=g)
+    linear = OneDnnLinear()
+    _close(linear(x, weight, bias), F.linear(x, weight, bias))
+    assert linear.num_packs == 1
+
+
+@needs_onednn
+def test_leading_dims_and_non_contiguous_input() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 96, generator=g)
+    x3 = torch.randn(2, 5, 96, generator=g)
+    xt = torch.randn(96, 7, generator=g).t()
+    linear = OneDnnLinear()
+    _close(linear(x3, weight, None), F.linear(x3, weight))
+    _close(linear(xt, weight, None), F.linear(xt, weight))
+
+
+@needs_onednn
+def test_tied_embedding_weight() -> None:
+    emb = torch.nn.Embedding(1000, 64)
+    emb.requires_grad_(False)
+    hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
+    linear = OneDnnLinear()
+    with torch.inference_mode():
+        _close(linear(hidden, emb.weight, None), F.linear(hidden, emb.weight))
+        ids = torch.tensor([0, 5, 999])
+        assert torch.equal(F.embedding(ids, emb.weight), emb.weight[ids])  # the table unchanged
+    assert linear.num_packs == 1
+
+
+@needs_onednn
+def test_packs_each_weight_once() -> None:
+    a, b = torch.randn(32, 16), torch.randn(48, 16)
+    linear = OneDnnLinear()
+    for rows in (1, 3, 64, 2):
+        linear(torch.randn(rows, 16), a, None)
+        linear(torch.randn(rows, 16), b, None)
+    assert linear.num_packs == 2
+
+
+@needs_onednn
+def test_repacks_a_weight_modified_in_place() -> None:
+    weight = torch.randn(32, 16)
+    x = torch.randn(3, 16)
+    linear = OneDnnLinear()
+    linear(x, weight, None)
+    weight.mul_(2.0)
+    _close(linear(x, weight, None), F.linear(x, weight))
+    assert linear.num_packs == 2
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "requires_grad", "bias_bfloat16"])
+def test_falls_back_to_f_linear(case: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    weight, x, bias = torch.randn(32, 16, generator=g), torch.randn(3, 16, generator=g), None
+    if case == "bfloat16":
+        weight, x = weight.bfloat16(), x.bfloat16()
+    elif case == "requires_grad":
+        weight.requires_grad_(True)
+    else:
+        bias = torch.randn(32, generator=g).bfloat16()
+        x, weight = x.bfloat16(), weight.bfloat16()
+    linear = OneDnnLinear()
+    out = linear(x, weight, bias)
+    assert torch.equal(out, F.linear(x, weight, bias))
+    assert linear.num_packs == 0
+    if case == "requires_grad":
+        out.sum().backward()
+        assert weight.grad is not None
+        torch.testing.assert_close(weight.grad, x.sum(0).expand(32, 16))
+
+
+def test_resolve_cpu_linear() -> None:
+    assert resolve_cpu_linear("torch") == "torch"
+    assert resolve_cpu_linear("auto") == ("onednn" if onednn_available() else "torch")
+    with pytest.raises(ValueError, match="cpu_linear"):
+        EngineConfig(cpu_linear="mkl")
+
+
+@pytest.fixture(scope="module")
+def engine_factory(model_cache_dir):
+    def make(**kw) -> LLMEngine:
+        return LLMEngine(EngineConfig(model="SmolLM2-135M-Instruct",
+                                      model_cache_dir=str(model_cache_dir), num_kv_blocks=256,
+                                      **kw))
+    return make
+
+
+@needs_onednn
+def test_install_packs_linears_and_tied_head(engine_factory) -> None:
+    engine = engine_factory(cpu_linear="onednn")
+    model = engine.model
+    linear = model.ops.linear
+    assert isinstance(linear, OneDnnLinear)
+    # qkv, o, gate|up and down per layer, and the tied embedding for the logits
+    assert model.lm_head is None
+    assert linear.num_packs == 4 * model.config.num_layers + 1
+    install_cpu_ops(model, "onednn")  # a second runner on the same model keeps the packs
+    assert model.ops.linear is linear
+    install_cpu_ops(model, "torch")
+    assert model.ops is REFERENCE_OPS
+    install_cpu_ops(model, "onednn")
+    assert model.ops.linear is not linear
+
+
+@needs_onednn
+def test_engine_greedy_tokens_equal_torch(engine_factory) -> None:
+    engines = {name: engine_factory(cpu_linear=name) for name in ("torch", "onednn")}
+    assert engines["torch"].model.ops is REFERENCE_OPS
+    tok = engines["torch"].tokenizer
+    texts = ["The capital of France is", "Write a haiku about the sea.",
+             "def fibonacci(n):", "List three prime numbers:", "Once upon a time"]
+    prompts = [tok.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    outs = {name: [o.output_token_ids for o in e.generate(prompts, params)]
+            for name, e in engines.items()}
+    assert [len(o) for o in outs["torch"]] == [48] * len(prompts)
+    assert outs["onednn"] == outs["torch"]
