@@ -132,7 +132,8 @@ def print_kernels(r: dict) -> None:
 
 
 def profile_variant(args: argparse.Namespace, variant: str, ttft: bool) -> list[dict]:
-    chosen = ops_triton.TRITON_OPS if variant == "fused" else ops_triton.TRITON_OPS_UNFUSED
+    chosen = (ops_triton.TRITON_OPS if variant == "fused"
+              else ops_triton.triton_ops(fused=False))
     fused = ops_triton.TRITON_OPS
     ops_triton.TRITON_OPS = chosen   # read by CudaGraphRunner when the engine is built
     try:

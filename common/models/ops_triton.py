@@ -10,8 +10,6 @@ they are the two ops in turn.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -27,40 +25,39 @@ def _rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                                     meta.slot_mapping)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if skinny_gemm.supports(x, weight, bias):
-        return skinny_gemm.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+def triton_ops(*, fused: bool = True) -> ModelOps:
+    """The CUDA path's ops; fused=False (the batch-1 norm / activation + GEMV fusions of
+    kernels.fused_gemv off) only for the A/B in bench/gpu_profile.py."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if skinny_gemm.supports(x, weight, bias):
+            return skinny_gemm.skinny_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    norm_linear_unfused = compose_norm_linear(norm_act.rms_norm, linear)
+    act_linear_unfused = compose_act_linear(norm_act.silu_and_mul, linear)
+
+    def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused and fused_gemv.supports(h, weight, bias):
+            return fused_gemv.norm_linear(h, residual, norm_weight, eps, weight, bias)
+        return norm_linear_unfused(h, residual, norm_weight, eps, weight, bias)
+
+    def act_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        if fused and fused_gemv.supports(gate_up, weight, bias):
+            return fused_gemv.act_linear(gate_up, weight, bias)
+        return act_linear_unfused(gate_up, weight, bias)
+
+    return ModelOps(
+        rms_norm=norm_act.rms_norm,
+        silu_and_mul=norm_act.silu_and_mul,
+        rotary_store=_rotary_store,
+        linear=linear,
+        norm_linear=norm_linear,
+        act_linear=act_linear,
+    )
 
 
-_norm_linear_unfused = compose_norm_linear(norm_act.rms_norm, _linear)
-_act_linear_unfused = compose_act_linear(norm_act.silu_and_mul, _linear)
-
-
-def _norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                 eps: float, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if fused_gemv.supports(h, weight, bias):
-        return fused_gemv.norm_linear(h, residual, norm_weight, eps, weight, bias)
-    return _norm_linear_unfused(h, residual, norm_weight, eps, weight, bias)
-
-
-def _act_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    if fused_gemv.supports(gate_up, weight, bias):
-        return fused_gemv.act_linear(gate_up, weight, bias)
-    return _act_linear_unfused(gate_up, weight, bias)
-
-
-TRITON_OPS = ModelOps(
-    rms_norm=norm_act.rms_norm,
-    silu_and_mul=norm_act.silu_and_mul,
-    rotary_store=_rotary_store,
-    linear=_linear,
-    norm_linear=_norm_linear,
-    act_linear=_act_linear,
-)
-# The same ops without kernels.fused_gemv: the two launches in turn at every batch size (the
-# fusion's A/B in bench/gpu_profile.py --ops).
-TRITON_OPS_UNFUSED = dataclasses.replace(TRITON_OPS, norm_linear=_norm_linear_unfused,
-                                         act_linear=_act_linear_unfused)
+TRITON_OPS = triton_ops()
