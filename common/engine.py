@@ -254,18 +254,29 @@ class LLMEngine:
     def reserve_blocks(self, n: int) -> list[int]:
         return self.block_manager.allocate_blocks(n)
 
-    def launched_event(self) -> torch.cuda.Event | None:
-        """An event on the engine's stream after every step launched so far (None on CPU).
-
-        Blocks freed by a step may still be written by the step in flight (overlap: a finished
-        sequence's wasted row), so work on another stream that writes blocks reserved now
-        waits for this event first."""
-        if self._cuda_index is None:
-            return None
+    def reserve_blocks_for_copy(self, n: int) -> tuple[list[int], torch.cuda.Event | None]:
+        """n fresh blocks (reserve_blocks) that work on another stream will write, e.g. a
+        handoff's imported KV, and the event on the engine's stream that work must wait for
+        first: None when it need not wait (always on CPU)."""
+        blocks = self.reserve_blocks(n)
+        if self._cuda_index is None or not self.step_in_flight_may_write_free_blocks():
+            return blocks, None
         self._use_device()
         event = torch.cuda.Event()
         event.record()
-        return event
+        return blocks, event
+
+    def step_in_flight_may_write_free_blocks(self) -> bool:
+        """Whether the step in flight (overlap scheduling) may still write blocks that are free.
+
+        Between steps only the last launched step can be running (the outputs of the ones before
+        it have been read), and it writes only blocks of its own sequences. Those are free only
+        if their sequence has finished or been aborted since the step was launched (overlap: a
+        sequence ended by the step before still has a wasted row in it). So when none of its
+        sequences has, no free block is written any more, and a copy into freshly reserved
+        blocks need not wait for the step; before, every such copy waited for it."""
+        return self._in_flight is not None and any(
+            s.seq.is_finished for s in self._in_flight[0].scheduled)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.unref_blocks(block_ids)

@@ -90,7 +90,7 @@ class HandoffPuller:
             raise HandoffFailed(f"handoff {handoff_id} is gone or claimed by another service")
         claimed = time.monotonic()
         n = len(desc.block_ids)
-        reserved = self.loop.call(lambda e: (e.reserve_blocks(n), e.launched_event()))
+        reserved = self.loop.call(lambda e: e.reserve_blocks_for_copy(n))
         try:
             blocks, after = reserved.result(timeout=self.receiver.timeout_s)
         except FutureTimeout:

@@ -70,8 +70,8 @@ class KVTransport(ABC):
              after: torch.cuda.Event | None = None) -> None:
         """Copy the source blocks desc.block_ids into dst_pool's dst_block_ids (same order) and
         verify the checksum; raises TransferError (see the module docstring). On a GPU the
-        copy runs on the transfer stream (blocks.transfer_stream) after `after`, the receiving
-        engine's launched_event() taken when the blocks were reserved; it has completed when
+        copy runs on the transfer stream (blocks.transfer_stream) after `after` (the event
+        engine.reserve_blocks_for_copy returned with the blocks, if any); it has completed when
         pull() returns."""
         check_geometry(desc, dst_pool, dst_block_ids)
         info = desc.transports.get(self.name)

@@ -113,6 +113,30 @@ def test_abort_while_in_flight_frees_everything():
     engine.block_manager.check_invariants()
 
 
+def test_a_copy_waits_for_the_step_in_flight_only_when_it_may_write_free_blocks():
+    """Blocks reserved for a handoff copy can be written by the step in flight only through a
+    sequence that ended after that step was launched (its blocks are free then)."""
+    engine = make_engine("on")
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    assert not engine.step_in_flight_may_write_free_blocks()  # nothing launched
+    engine.add_request("short", [5] * 20, SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request("long", [6] * 20, params)
+    engine.step()  # both prefills in flight, nobody has ended
+    assert not engine.step_in_flight_may_write_free_blocks()
+    blocks, after = engine.reserve_blocks_for_copy(2)
+    assert len(blocks) == 2 and after is None  # on CPU never an event
+    engine.free_blocks(blocks)
+    engine.step()  # "short" ends with the prefill's token, "long" decodes in the launched step
+    assert engine.seqs.get("short") is None
+    assert not engine.step_in_flight_may_write_free_blocks()  # "short" had no row in it
+    assert engine.abort("long")  # "long" has a row in the step in flight: its blocks are free
+    assert engine.step_in_flight_may_write_free_blocks()
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.step_in_flight_may_write_free_blocks()
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_overlap_auto_is_off_on_cpu_and_with_speculation():
     assert not make_engine("auto").overlap
     assert not make_engine("on", speculative_method="ngram").overlap
