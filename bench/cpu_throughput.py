@@ -26,6 +26,7 @@ import torch
 
 from common.config import EngineConfig
 from common.engine import LLMEngine
+from common.models.ops_onednn import resolve_cpu_linear
 from common.sampling_params import SamplingParams
 
 
@@ -98,11 +99,14 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
+    ap.add_argument("--cpu-linear", default=EngineConfig().cpu_linear,
+                    help=EngineConfig.HELP["cpu_linear"])
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
     engine = LLMEngine(EngineConfig(num_kv_blocks=4096,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    cpu_linear=args.cpu_linear))
     mc = engine.model_config
     from common.models.loader import resolve_model
     hf = None
@@ -145,6 +149,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": str(date.today()), "machine": platform.node(),
                                          "gemm_gflops": rate, "load_average": load,
+                                         "cpu_linear": resolve_cpu_linear(args.cpu_linear),
                                          "rows": rows}, indent=2))
 
 

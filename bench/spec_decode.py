@@ -169,13 +169,16 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1 is fastest on a CPU shared with other work)")
+    ap.add_argument("--cpu-linear", default=defaults.cpu_linear,
+                    help=EngineConfig.HELP["cpu_linear"])
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(
         speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-        num_kv_blocks=1024, max_num_batched_tokens=4096, enable_prefix_caching=False))
+        num_kv_blocks=1024, max_num_batched_tokens=4096, enable_prefix_caching=False,
+        cpu_linear=args.cpu_linear))
     assert engine.tokenizer is not None
     prompts = build_prompts(engine.tokenizer)
     run(engine, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
