@@ -39,6 +39,28 @@ PROLOGUE_ACT = 2    # x = silu(gate) * up
 
 
 @triton.jit
+def input_tile(h_ptr, res_ptr, g_ptr, res_out_ptr, cols, K, res_end,
+               PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The GEMV's input at columns `cols` in float32, and (norm) the squares of v = h +
+    residual for the norm's sum; writes v to res_out_ptr at columns below res_end."""
+    k_mask = cols < K
+    if PROLOGUE == 1:
+        v = tl.load(h_ptr + cols, mask=k_mask, other=0.0)
+        if HAS_RESIDUAL:
+            v = (v.to(tl.float32) + tl.load(res_ptr + cols, mask=k_mask,
+                                            other=0.0).to(tl.float32)).to(v.dtype)
+            tl.store(res_out_ptr + cols, v, mask=cols < res_end)
+        vf = v.to(tl.float32)
+        return vf * tl.load(g_ptr + cols, mask=k_mask, other=0.0).to(tl.float32), vf * vf
+    gate = tl.load(h_ptr + cols, mask=k_mask, other=0.0)
+    up = tl.load(h_ptr + K + cols, mask=k_mask, other=0.0)
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)
+    x = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    return x, x
+
+
+@triton.jit
 def _fused_gemv_kernel(
     h_ptr,                 # [K] (norm) or [2K] gate | up (act)
     res_ptr,               # [K], read when HAS_RESIDUAL
@@ -61,23 +83,12 @@ def _fused_gemv_kernel(
     res_end = tl.where(pid == 0, K, 0)   # program 0 writes the new residual, the rest do not
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k0 + offs_k
-        k_mask = cols < K
+        x, x_sq = input_tile(h_ptr, res_ptr, g_ptr, res_out_ptr, cols, K, res_end,
+                             PROLOGUE, HAS_RESIDUAL)
         if PROLOGUE == 1:
-            v = tl.load(h_ptr + cols, mask=k_mask, other=0.0)
-            if HAS_RESIDUAL:
-                v = (v.to(tl.float32) + tl.load(res_ptr + cols, mask=k_mask,
-                                                other=0.0).to(tl.float32)).to(v.dtype)
-                tl.store(res_out_ptr + cols, v, mask=cols < res_end)
-            vf = v.to(tl.float32)
-            sq += vf * vf
-            x = vf * tl.load(g_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        else:
-            gate = tl.load(h_ptr + cols, mask=k_mask, other=0.0)
-            up = tl.load(h_ptr + K + cols, mask=k_mask, other=0.0)
-            gf = gate.to(tl.float32)
-            act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            sq += x_sq
+        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & (cols < K)[None, :],
+                    other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     res = tl.sum(acc, 1)
     if PROLOGUE == 1:

@@ -3,8 +3,8 @@ Qwen2/2.5, running on a paged KV cache.
 
 One step takes a flat batch of T tokens (see AttentionMetadata). Per layer:
 
-    q|k|v, res = rms_norm(h + res) @ Wqkv (+ bias on Qwen2)   ops.norm_linear
-    q          = rotary(q); store rotary(k), v in the paged cache   (ops.rotary_store)
+    q|k|v, res = rms_norm(h + res) @ Wqkv (+ bias on Qwen2)      ops.norm_qkv_rotary_store
+    q          = rotary(q); store rotary(k), v in the paged cache  (the same op)
     o          = paged attention(q, cache)
     h          = o @ Wo
     g|u, res   = rms_norm(h + res) @ Wgate|up                   ops.norm_linear
@@ -12,7 +12,7 @@ One step takes a flat batch of T tokens (see AttentionMetadata). Per layer:
 
 The element-wise ops and the projections' matmuls go through `model.ops` (a ModelOps) so a CUDA
 path can swap in kernels (common.models.ops_triton), which fuse each norm and the activation into
-the matmul after it at batch 1.
+the matmul after it at batch 1 (the qkv one with rotary and the K/V store as well).
 """
 
 from __future__ import annotations
@@ -54,19 +54,18 @@ class Attention(nn.Module):
                                 dtype, device)
         self.o_proj = _linear(c.q_size, c.hidden_size, False, dtype, device)
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend, ops: ModelOps) -> torch.Tensor:
-        """qkv: the qkv projection of the normed hidden states (the layer computes it, fused
-        with the norm)."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q = ops.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, meta, backend)
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.head_dim
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend,
+                ops: ModelOps) -> torch.Tensor:
+        """q: [T, heads, head_dim], rotated, its token's K/V already in the cache (the layer
+        computes it with the norm: ops.norm_qkv_rotary_store)."""
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return ops.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return ops.linear(o.reshape(q.shape[0], self.q_size), self.o_proj.weight,
+                          self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -94,9 +93,10 @@ class DecoderLayer(nn.Module):
                 backend: AttentionBackend, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = ops.norm_linear(h, residual, norm1.weight, norm1.eps,
-                                        attn.qkv_proj.weight, attn.qkv_proj.bias)
-        h = attn(qkv, positions, cos_sin, layer_cache[0], layer_cache[1], meta, backend, ops)
+        q, residual = ops.norm_qkv_rotary_store(
+            h, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            positions, cos_sin, layer_cache[0], layer_cache[1], meta, backend, attn.heads)
+        h = attn(q, layer_cache[0], layer_cache[1], meta, backend, ops)
         gate_up, residual = ops.norm_linear(h, residual, norm2.weight, norm2.eps,
                                             mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
         return mlp(gate_up, ops), residual

@@ -26,6 +26,14 @@ NormLinear = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float, t
                        torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 # (gate | up, weight, bias) -> linear(silu(gate) * up)
 ActLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (num_heads, num_kv_heads, head_dim)
+Heads = tuple[int, int, int]
+# (h, residual, norm weight, eps, qkv weight, qkv bias, positions, cos_sin, k_cache, v_cache,
+#  meta, backend, heads) -> (rotated q [T, heads, head_dim], new residual)
+NormQkvRotaryStore = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float,
+                               torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor,
+                               torch.Tensor, torch.Tensor, AttentionMetadata, AttentionBackend,
+                               Heads], tuple[torch.Tensor, torch.Tensor]]
 # (q, k, v, positions, cos_sin, k_cache, v_cache, meta, backend) -> rotated q
 RotaryStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         torch.Tensor, torch.Tensor, AttentionMetadata, AttentionBackend],
@@ -44,6 +52,9 @@ class ModelOps:
     # the element-wise op into the matmul's input (kernels.fused_gemv at batch 1).
     norm_linear: NormLinear
     act_linear: ActLinear
+    # norm_linear of the qkv weight, then rotary_store of its q, k, v: the attention's input
+    # (kernels.fused_qkv at batch 1 on CUDA).
+    norm_qkv_rotary_store: NormQkvRotaryStore
 
 
 def compose_norm_linear(rms_norm: RmsNorm, linear: Linear) -> NormLinear:
@@ -53,6 +64,25 @@ def compose_norm_linear(rms_norm: RmsNorm, linear: Linear) -> NormLinear:
         x, residual = rms_norm(h, norm_weight, eps, residual)
         return linear(x, weight, bias), residual
     return norm_linear
+
+
+def compose_norm_qkv_rotary_store(norm_linear: NormLinear,
+                                  rotary_store: RotaryStore) -> NormQkvRotaryStore:
+    def norm_qkv_rotary_store(h: torch.Tensor, residual: torch.Tensor | None,
+                              norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              bias: torch.Tensor | None, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, backend: AttentionBackend,
+                              heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = norm_linear(h, residual, norm_weight, eps, weight, bias)
+        num_heads, num_kv_heads, d = heads
+        t = qkv.shape[0]
+        q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+        q = rotary_store(q.view(t, num_heads, d), k.view(t, num_kv_heads, d),
+                         v.view(t, num_kv_heads, d), positions, cos_sin, k_cache, v_cache, meta,
+                         backend)
+        return q, residual
+    return norm_qkv_rotary_store
 
 
 def compose_act_linear(silu_and_mul: SiluAndMul, linear: Linear) -> ActLinear:
@@ -78,4 +108,6 @@ REFERENCE_OPS = ModelOps(
     linear=F.linear,
     norm_linear=compose_norm_linear(reference.rms_norm, F.linear),
     act_linear=compose_act_linear(reference.silu_and_mul, F.linear),
+    norm_qkv_rotary_store=compose_norm_qkv_rotary_store(
+        compose_norm_linear(reference.rms_norm, F.linear), reference_rotary_store),
 )

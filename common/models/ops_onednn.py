@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.models.ops import REFERENCE_OPS, ModelOps, compose_act_linear, compose_norm_linear
+from common.models.ops import (
+    REFERENCE_OPS,
+    ModelOps,
+    compose_act_linear,
+    compose_norm_linear,
+    compose_norm_qkv_rotary_store,
+)
 
 # The row count oneDNN lays a packed weight out for; 64 beat 1 at every row count measured
 # (1-64 rows, SmolLM2-135M on AVX-512).
@@ -91,10 +97,12 @@ def _version(t: torch.Tensor) -> int:
 
 
 def onednn_ops(linear: OneDnnLinear) -> ModelOps:
+    norm_linear = compose_norm_linear(REFERENCE_OPS.rms_norm, linear)
     return dataclasses.replace(
-        REFERENCE_OPS, linear=linear,
-        norm_linear=compose_norm_linear(REFERENCE_OPS.rms_norm, linear),
-        act_linear=compose_act_linear(REFERENCE_OPS.silu_and_mul, linear))
+        REFERENCE_OPS, linear=linear, norm_linear=norm_linear,
+        act_linear=compose_act_linear(REFERENCE_OPS.silu_and_mul, linear),
+        norm_qkv_rotary_store=compose_norm_qkv_rotary_store(norm_linear,
+                                                            REFERENCE_OPS.rotary_store))
 
 
 def resolve_cpu_linear(name: str) -> str:

@@ -4,8 +4,9 @@ rms_norm (with the fused residual add) and silu_and_mul come from kernels.norm_a
 the K/V store are one launch (kernels.kv_store.rotary_store_kv), which writes K/V by slot mapping
 itself, so the attention backend's store_kv is not called on this path. linear runs the skinny
 GEMM (kernels.skinny_gemm) for the few rows of a decode step and cuBLAS (F.linear) otherwise.
-At batch 1, norm_linear and act_linear are one launch each (kernels.fused_gemv); with more rows
-they are the two ops in turn.
+At batch 1, norm_linear and act_linear are one launch each (kernels.fused_gemv), and so is
+norm_qkv_rotary_store (kernels.fused_qkv: norm, qkv GEMV, rotary and the K/V store); with more
+rows they are the ops in turn.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from common.models.attention import AttentionBackend, AttentionMetadata
-from common.models.ops import ModelOps, compose_act_linear, compose_norm_linear
-from kernels import fused_gemv, kv_store, norm_act, skinny_gemm
+from common.models.ops import (
+    Heads,
+    ModelOps,
+    compose_act_linear,
+    compose_norm_linear,
+    compose_norm_qkv_rotary_store,
+)
+from kernels import fused_gemv, fused_qkv, kv_store, norm_act, skinny_gemm
 
 
 def _rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -50,6 +57,21 @@ def triton_ops(*, fused: bool = True) -> ModelOps:
             return fused_gemv.act_linear(gate_up, weight, bias)
         return act_linear_unfused(gate_up, weight, bias)
 
+    unfused_qkv = compose_norm_qkv_rotary_store(norm_linear, _rotary_store)
+
+    def norm_qkv_rotary_store(h: torch.Tensor, residual: torch.Tensor | None,
+                              norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              bias: torch.Tensor | None, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, backend: AttentionBackend,
+                              heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused and fused_qkv.supports_qkv(h, weight, bias, *heads):
+            return fused_qkv.norm_qkv_rotary_store(
+                h, residual, norm_weight, eps, weight, bias, positions, cos_sin, k_cache,
+                v_cache, meta.slot_mapping, heads[0])
+        return unfused_qkv(h, residual, norm_weight, eps, weight, bias, positions, cos_sin,
+                           k_cache, v_cache, meta, backend, heads)
+
     return ModelOps(
         rms_norm=norm_act.rms_norm,
         silu_and_mul=norm_act.silu_and_mul,
@@ -57,6 +79,7 @@ def triton_ops(*, fused: bool = True) -> ModelOps:
         linear=linear,
         norm_linear=norm_linear,
         act_linear=act_linear,
+        norm_qkv_rotary_store=norm_qkv_rotary_store,
     )
 
 
