@@ -14,6 +14,7 @@ from common.models.ops_onednn import (
     OneDnnLinear,
     install_cpu_ops,
     onednn_available,
+    onednn_ops,
     resolve_cpu_linear,
 )
 from common.sampling_params import SamplingParams
@@ -136,6 +137,30 @@ def test_install_packs_linears_and_tied_head(engine_factory) -> None:
     assert model.ops is REFERENCE_OPS
     install_cpu_ops(model, "onednn")
     assert model.ops.linear is not linear
+
+
+class _RecordingLinear(OneDnnLinear):
+    def __init__(self) -> None:
+        super().__init__()
+        self.served: set[int] = set()  # ids of the weights it ran through oneDNN
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.serves(x, weight, bias):
+            self.served.add(id(weight))
+        return super().__call__(x, weight, bias)
+
+
+@needs_onednn
+def test_every_projection_and_the_logits_go_through_onednn(engine_factory) -> None:
+    engine = engine_factory(cpu_linear="onednn")
+    model = engine.model
+    linear = _RecordingLinear()
+    model.ops = onednn_ops(linear)
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linear.served == {id(w) for w in [*weights, model.logits_weight]}
+    assert len(weights) == 4 * model.config.num_layers
 
 
 @needs_onednn
