@@ -8,7 +8,8 @@ other), the summed GPU time per step and, for the matmuls, their share of the we
     PYTHONPATH=. python3 bench/gpu_profile.py --batch 1 256 --out profile.json
 
 --ops fused unfused profiles the same steps twice, each on a fresh engine: with the batch-1
-fusions of kernels.fused_gemv (the CUDA path's ops) and without them (an A/B in one run).
+fusions of kernels.fused_gemv and kernels.fused_qkv (the CUDA path's ops) and without them (an
+A/B in one run).
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ class LLMEngine:
         if their sequence has finished or been aborted since the step was launched (overlap: a
         sequence ended by the step before still has a wasted row in it). So when none of its
         sequences has, no free block is written any more, and a copy into freshly reserved
-        blocks need not wait for the step; before, every such copy waited for it."""
+        blocks need not wait for the step."""
         return self._in_flight is not None and any(
             s.seq.is_finished for s in self._in_flight[0].scheduled)
 

@@ -101,13 +101,14 @@ def reference_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return q
 
 
+_reference_norm_linear = compose_norm_linear(reference.rms_norm, F.linear)
 REFERENCE_OPS = ModelOps(
     rms_norm=reference.rms_norm,
     silu_and_mul=reference.silu_and_mul,
     rotary_store=reference_rotary_store,
     linear=F.linear,
-    norm_linear=compose_norm_linear(reference.rms_norm, F.linear),
+    norm_linear=_reference_norm_linear,
     act_linear=compose_act_linear(reference.silu_and_mul, F.linear),
-    norm_qkv_rotary_store=compose_norm_qkv_rotary_store(
-        compose_norm_linear(reference.rms_norm, F.linear), reference_rotary_store),
+    norm_qkv_rotary_store=compose_norm_qkv_rotary_store(_reference_norm_linear,
+                                                        reference_rotary_store),
 )

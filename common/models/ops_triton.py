@@ -33,8 +33,8 @@ def _rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 
 def triton_ops(*, fused: bool = True) -> ModelOps:
-    """The CUDA path's ops; fused=False (the batch-1 norm / activation + GEMV fusions of
-    kernels.fused_gemv off) only for the A/B in bench/gpu_profile.py."""
+    """The CUDA path's ops; fused=False turns the batch-1 fusions (kernels.fused_gemv and
+    kernels.fused_qkv) off, only for the A/B in bench/gpu_profile.py."""
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if skinny_gemm.supports(x, weight, bias):
