@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite, built for ONE device call (run it from the repository root on the GPU machine):
-#   1. the kernel tests on the GPU (tests/kernels, real shapes; the CPU cases skip themselves)
+#   1. the GPU tests (marked `gpu`) of tests/kernels (real shapes) and tests/common (the CUDA
+#      runner and model, the KV transports with CUDA IPC, the sampler); test_grpc_transport.py
+#      is left out (it needs `cryptography`, which the image lacks)
 #   2. the kernel benchmark: copy bandwidth, decode-attention bandwidth table (T5), block copy
 #      (T7), extend attention; table on stdout, full numbers in $OUT/kernels.json
 #   3. the model-vs-HF check (bench/gpu_model_check.py)
@@ -10,15 +12,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+EXTRA=/tmp/splitserve-extra
+if ls .whl/*.whl >/dev/null 2>&1; then  # the wheels gpu_disagg.sh lists (redis, grpc, ...)
+    python3 -m pip install -q --no-deps --target "$EXTRA" .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+fi
+export PYTHONPATH="$EXTRA:$PWD" PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
     --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
     | tee -a "$OUT/gpu.txt"
 
-echo "== 1. kernel tests (GPU) ($(date +%T))"
-python3 -m pytest tests/kernels -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/tests.log"
+echo "== 1. GPU tests ($(date +%T))"
+python3 -m pytest -m gpu tests/kernels tests/common -q -p no:cacheprovider -rfE \
+    --ignore=tests/common/kv_transport/test_grpc_transport.py 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. kernel benchmark ($(date +%T))"
