@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import skinny_gemm
 from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor
 from kernels.skinny_gemm import SkinnyConfig, default_config, processor_count
 
@@ -100,17 +101,10 @@ def _fused_gemv_kernel(
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether norm_linear / act_linear serve x [1, K] (act: [1, 2K]) with this weight on the
-    GPU: the conditions of skinny_gemm.supports at M == 1, on the matmul's input width."""
+    GPU: skinny_gemm.supports at M == 1, on the matmul's input width."""
     k = weight.shape[-1] if weight.dim() == 2 else -1
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] in (k, 2 * k)
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.device == x.device and k % 16 == 0
-            and x.stride(1) == 1 and weight.stride(1) == 1
-            and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
-                                  and bias.stride(0) == 1))
-            and not (torch.is_grad_enabled()
-                     and (x.requires_grad or weight.requires_grad
-                          or (bias is not None and bias.requires_grad))))
+    return (x.dim() == 2 and x.shape[1] in (k, 2 * k)
+            and skinny_gemm.supports(x[:, :k], weight, bias, max_m=1))
 
 
 def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,

@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import skinny_gemm
 from kernels.checks import FLOAT_DTYPES, check_tensor
-from kernels.fused_gemv import input_tile, supports
+from kernels.fused_gemv import input_tile
 from kernels.skinny_gemm import SkinnyConfig, default_config, processor_count
 
 
@@ -108,10 +109,10 @@ def _pairs(n: int, k: int, head_dim: int, device: torch.device) -> tuple[int, Sk
 
 def supports_qkv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether norm_qkv_rotary_store serves this batch-1 step: fused_gemv.supports, a weight of
-    (num_heads + 2 * num_kv_heads) * head_dim rows, and head_dim / 2 a multiple of the pairs a
-    program takes (powers of two)."""
-    if not supports(h, weight, bias) or h.shape[1] != weight.shape[1]:
+    """Whether norm_qkv_rotary_store serves this batch-1 step: skinny_gemm.supports at M == 1,
+    a weight of (num_heads + 2 * num_kv_heads) * head_dim rows, and head_dim / 2 a multiple of
+    the pairs a program takes (powers of two)."""
+    if not skinny_gemm.supports(h, weight, bias, max_m=1):
         return False
     n = weight.shape[0]
     if head_dim % 2 or n != (num_heads + 2 * num_kv_heads) * head_dim:
