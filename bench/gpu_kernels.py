@@ -116,14 +116,17 @@ class DecodeCase:
         return ((self.out.float() - ref).norm() / ref.norm()).item()
 
 
-def decode_table(cfg: DecodeConfig, copy_tb_s: float) -> list[dict]:
-    """One row per case, timed with cfg; where there are splits, also with the other merge (graph
-    replays only): `us_fused` and `us_two_launch` (None with one split: nothing to merge)."""
+def decode_table(given: DecodeConfig | None, copy_tb_s: float) -> list[dict]:
+    """One row per case, timed with `given` (None: the launcher's DecodeConfig.for_batch); where
+    there are splits, also with the other merge (graph replays only): `us_fused` and
+    `us_two_launch` (None with one split: nothing to merge)."""
     rows = []
     for ctx, batch in itertools.product(CONTEXTS, BATCHES):
         case = DecodeCase(batch, ctx)
+        cfg = given or DecodeConfig.for_batch(batch, KVH, torch.device("cuda"))
         splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
-        row = {"batch": batch, "ctx": ctx, "splits": splits, "mb": case.bytes / 1e6,
+        row = {"batch": batch, "ctx": ctx, "block_n": cfg.block_n, "splits": splits,
+               "mb": case.bytes / 1e6,
                **case.time(splits, cfg), "rel_err": case.rel_err(splits, cfg),
                "us_fused": None, "us_two_launch": None}
         if splits > 1:
@@ -141,16 +144,31 @@ def decode_table(cfg: DecodeConfig, copy_tb_s: float) -> list[dict]:
     return rows
 
 
-def decode_sweep(copy_tb_s: float) -> tuple[list[dict], DecodeConfig]:
-    """Times every configuration on a few cases; returns the timings and the configuration with
-    the best geometric mean of (time / best time of that case)."""
-    configs = [DecodeConfig(bn, w, s, waves) for bn, w, s, waves in itertools.product(
-        (32, 64, 128), (4, 8), (2, 3), (1, 2, 4))] + [DecodeConfig(64, 2, 3, 2)]
+SWEEP_CASES = ((1, 16384), (32, 4096), (128, 1024), (128, 16384))
+SWEEP_CONFIGS = [DecodeConfig(bn, w, s, waves) for bn, w, s, waves in itertools.product(
+    (32, 64, 128), (4, 8), (2, 3), (1, 2, 4))] + [DecodeConfig(64, 2, 3, 2)]
+# The decode steps the engine benchmarks run (T3's batch 1, T4's batch 256 and the batches
+# between, at their contexts), over tile, warps and stages.
+ENGINE_CASES = ((1, 576), (16, 512), (64, 512), (256, 640), (256, 768))
+ENGINE_CONFIGS = [DecodeConfig(bn, w, s) for bn, w, s in
+                  itertools.product((32, 64), (4, 8), (2, 3, 4))]
+
+
+ENGINE_TABLE_CTX = 2048  # gpu_perf.py and gpu_profile.py build engines with max_model_len 2048
+
+
+def decode_sweep(copy_tb_s: float, cases=SWEEP_CASES, configs=SWEEP_CONFIGS,
+                 table_ctx: int = 0) -> tuple[list[dict], DecodeConfig]:
+    """Times every configuration on each (batch, ctx) case; returns the timings and the
+    configuration with the best geometric mean of (time / best time of that case). The split
+    count comes from the launcher's heuristic for a block table of max(ctx, table_ctx) tokens
+    (the engine's tables are max_model_len wide)."""
     results = []
-    for batch, ctx in ((1, 16384), (32, 4096), (128, 1024), (128, 16384)):
+    for batch, ctx in cases:
         case = DecodeCase(batch, ctx)
         for cfg in configs:
-            splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
+            splits = default_num_splits(batch, KVH, max(ctx, table_ctx), torch.device("cuda"),
+                                        cfg)
             try:
                 t = case.time(splits, cfg, reps=1, eager=False)
             except triton.runtime.errors.OutOfResources:
@@ -159,9 +177,12 @@ def decode_sweep(copy_tb_s: float) -> tuple[list[dict], DecodeConfig]:
                             "us": t["us"], "frac_copy": t["tb_s"] / copy_tb_s})
         mine = sorted((r for r in results if (r["batch"], r["ctx"]) == (batch, ctx)),
                       key=lambda r: r["us"])
-        for r in mine[:4]:
+        chosen = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"))
+        default = [r for r in mine if r["config"] == chosen]
+        for r in mine[:4] + [r for r in default if r not in mine[:4]]:
             print(f"sweep B={batch:<3} ctx={ctx:<5} {r['config']} splits={r['splits']:<3} "
-                  f"{r['us']:8.1f} us {100 * r['frac_copy']:5.1f}%")
+                  f"{r['us']:8.1f} us {100 * r['frac_copy']:5.1f}%"
+                  + ("  (default)" if r in default else ""))
         for r in mine:
             r["rel"] = r["us"] / mine[0]["us"]
         del case
@@ -169,10 +190,12 @@ def decode_sweep(copy_tb_s: float) -> tuple[list[dict], DecodeConfig]:
     score: dict[DecodeConfig, list[float]] = {}
     for r in results:
         score.setdefault(r["config"], []).append(math.log(r["rel"]))
-    best = min((c for c in score if len(score[c]) == 4), key=lambda c: sum(score[c]))
-    print(f"sweep best overall: {best} geomean {math.exp(sum(score[best]) / 4):.3f} x the "
-          f"per-case best; default {DecodeConfig()} "
-          f"{math.exp(sum(score[DecodeConfig()]) / 4):.3f}")
+    n = len(cases)
+    best = min((c for c in score if len(score[c]) == n), key=lambda c: sum(score[c]))
+    default = DecodeConfig()
+    print(f"sweep best overall: {best} geomean {math.exp(sum(score[best]) / n):.3f} x the "
+          f"per-case best; default {default} "
+          + (f"{math.exp(sum(score[default]) / n):.3f}" if default in score else "not swept"))
     for r in results:
         r["config"] = str(r["config"])
     return results, best
@@ -246,16 +269,16 @@ def print_decode_table(title: str, rows: list[dict]) -> None:
     """The main columns are the table's config; `us fused` / `us 2-launch` time both merges
     (graph replays), `rel err` is the worse of the two."""
     print(f"\n{title}")
-    print("| batch | ctx | splits | MB | us (graph) | spread | TB/s | % copy | us fused "
+    print("| batch | ctx | tile | splits | MB | us (graph) | spread | TB/s | % copy | us fused "
           "| us 2-launch | us same-size copy | us eager | rel err |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         errs = [e for e in (r["rel_err"], r.get("other_merge", {}).get("rel_err"))
                 if e is not None]
         err = f"{max(errs):.1e}" if errs else "-"
         fused, two = (("-" if us is None else f"{us:.1f}")
                       for us in (r["us_fused"], r["us_two_launch"]))
-        print(f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['mb']:.0f} | {r['us']:.1f} | "
+        print(f"| {r['batch']} | {r['ctx']} | {r['block_n']} | {r['splits']} | {r['mb']:.0f} | {r['us']:.1f} | "
               f"{r['spread_us']:.1f} | {r['tb_s']:.2f} | {100 * r['frac_copy']:.1f} | "
               f"{fused} | {two} | {r['same_copy_us']:.1f} | {r['eager_us']:.1f} | {err} |")
 
@@ -265,6 +288,9 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON file for the full results")
     ap.add_argument("--sweep", action="store_true",
                     help="time launch configurations first, then tabulate the best one too")
+    ap.add_argument("--sweep-engine", action="store_true",
+                    help="only sweep decode configurations (grid order too) at the engine "
+                         "benchmarks' batch sizes and contexts, then stop")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     result: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": props.name,
@@ -274,12 +300,19 @@ def main() -> None:
     copy = copy_bandwidth()
     result["copy"] = copy
     print(f"copy bandwidth: {copy['tb_s']:.2f} TB/s (spread {copy['spread_ms'] * 1e3:.0f} us)")
+    if args.sweep_engine:
+        result["decode_sweep_engine"], best = decode_sweep(copy["tb_s"], ENGINE_CASES,
+                                                           ENGINE_CONFIGS, ENGINE_TABLE_CTX)
+        result["decode_sweep_engine_best"] = str(best)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     tuned = None
     if args.sweep:
         result["decode_sweep"], tuned = decode_sweep(copy["tb_s"])
     result["block_copy"] = block_copy_bench(copy["tb_s"])
     result["extend"] = extend_bench(args.sweep)
-    result["decode"] = decode_table(DecodeConfig(), copy["tb_s"])
+    result["decode"] = decode_table(None, copy["tb_s"])
     if tuned is not None and tuned != DecodeConfig():
         result["decode_tuned"] = {"config": str(tuned),
                                   "rows": decode_table(tuned, copy["tb_s"])}
@@ -299,7 +332,7 @@ def main() -> None:
               f"= {100 * r['frac_copy']:.1f}% of copy")
     head = (f"decode attention, {props.name}, H={H} KVH={KVH} D={D} bf16 block {BS}, "
             f"copy {copy['tb_s']:.2f} TB/s")
-    print_decode_table(f"{head}, {DecodeConfig()} (default)", result["decode"])
+    print_decode_table(f"{head}, DecodeConfig.for_batch (default)", result["decode"])
     if "decode_tuned" in result:
         print_decode_table(f"{head}, {tuned} (sweep best)", result["decode_tuned"]["rows"])
 

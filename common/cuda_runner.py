@@ -331,15 +331,16 @@ class CudaGraphRunner(ModelRunner):
             torch.arange(biggest + 1, dtype=torch.int32, device=self.device))
         for bucket in reversed(decode_buckets(self.max_seqs)):
             # A fixed split count per bucket: the launch grid must not change between replays.
+            config = DecodeConfig.for_batch(bucket, self.mc.num_kv_heads, self.device)
             splits = default_num_splits(bucket, self.mc.num_kv_heads,
-                                        self.max_blocks * self.block_size, self.device,
-                                        DecodeConfig())
+                                        self.max_blocks * self.block_size, self.device, config)
             # The split partials live outside the graphs' pool, one workspace per bucket, shared
             # by its layers; the runner keeps them as long as the graphs.
             workspace = (DecodeWorkspace.allocate(bucket, self.mc.num_heads, self.mc.head_dim,
                                                   splits, self.device) if splits > 1 else None)
             self._workspaces.append(workspace)
-            backend = TritonAttentionBackend(decode_splits=splits, decode_workspace=workspace)
+            backend = TritonAttentionBackend(decode_splits=splits, decode_config=config,
+                                             decode_workspace=workspace)
             self._decode_forward(bucket, backend)  # compiles the kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

@@ -1,6 +1,6 @@
 """Paged decode attention: one query token per sequence, split-K over the context (flash-decoding).
 
-Stage 1 runs one program per (sequence, kv head, split). It loads the query rows of all the query
+Stage 1 runs one program per (kv head, sequence, split). It loads the query rows of all the query
 heads that share the kv head (GQA), so each K/V tile is read from the pool once, and runs an
 online softmax over its share of the context. With one split it writes the normalised output;
 otherwise it leaves (max, sum, unnormalised acc) per split in a workspace, and the splits of each
@@ -46,6 +46,15 @@ class DecodeConfig:
     num_stages: int = 3
     waves: int = 4         # default_num_splits aims at about this many programs per multiprocessor
     fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
+
+    @classmethod
+    def for_batch(cls, batch: int, kv_heads: int, device: torch.device) -> DecodeConfig:
+        """The launch parameters for a decode of `batch` sequences. Where batch * kv_heads
+        programs fill a quarter of the multiprocessors or less, 32-token tiles: a short context
+        has few 64-token tiles, so few of its splits have work (H200, batch 1 at context 576:
+        6.0 against 7.2 us a layer); from there on 64 (bench/NOTES.md, the engine sweep)."""
+        small = 4 * batch * kv_heads <= _processor_count(device)
+        return cls(block_n=32) if small else cls()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +152,11 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    # kv heads fastest: the heads of one sequence run side by side, reading the adjacent
+    # 256-byte rows of the same blocks (H200, batch 256 at context 640: 1% faster than the other
+    # way round).
+    kvh = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -270,8 +282,8 @@ def paged_attention_decode(
     """Same result as reference.paged_attention_decode. For CUDA graphs pass `out`, a
     `workspace` allocated beforehand and a fixed `num_splits` (the workspace's by default, at
     most its capacity). Without a workspace, a split launch allocates one (with fused_merge
-    that includes zeroing its tickets: one more device op)."""
-    config = config or DecodeConfig()
+    that includes zeroing its tickets: one more device op). `config`: DecodeConfig.for_batch
+    by default."""
     dev = q.device
     check_tensor("q", q, dim=3, dtypes=FLOAT_DTYPES)
     b, h, d = q.shape
@@ -290,6 +302,7 @@ def paged_attention_decode(
     if out is None:
         out = torch.empty_like(q)
     check_tensor("out", out, shape=(b, h, d), dtypes=(q.dtype,), device=dev)
+    config = config or DecodeConfig.for_batch(b, kvh, dev)
     if num_splits is None:
         num_splits = (workspace.num_splits if workspace is not None else default_num_splits(
             b, kvh, block_tables.shape[1] * block_size, dev, config))
@@ -308,7 +321,7 @@ def paged_attention_decode(
     group = h // kvh
     block_d = next_pow2(d)
     fused = config.fused_merge
-    _decode_split_kernel[(b, kvh, num_splits)](
+    _decode_split_kernel[(kvh, b, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out,
         *((ws.acc, ws.max, ws.sum, ws.tickets) if ws is not None else (out,) * 4),
         scale * LOG2E, num_splits, ws.num_splits if ws is not None else 1,

@@ -55,6 +55,9 @@ CASES = [
     _gpu(Case((1500, 64, 1), 9, 3, 64, 16, BF16, block_n=64), "smollm-gqa3-bf16"),
     _gpu(Case((333, 1024), 8, 8, 128, 16, BF16, num_splits=5, block_n=64), "gqa1-bf16"),
     _gpu(Case((16000,), 32, 8, 128, 16, BF16, block_n=64), "llama8b-bf16-batch1-long"),
+    _gpu(Case((576,), 32, 8, 128, 16, BF16, block_n=32), "llama8b-bf16-batch1-tiles32"),
+    _gpu(Case((640,) * 7 + (1, 0, 2000), 32, 8, 128, 16, BF16, num_splits=1, block_n=64),
+         "llama8b-bf16-batch10-one-split"),
     _gpu(Case((16000, 5, 0), 32, 8, 128, 16, BF16, num_splits=128, block_n=64),
          "llama8b-bf16-128-splits"),
 ]
@@ -156,3 +159,12 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="workspace"):  # other head count
         paged_attention_decode(q, k, k, tables, lens, 1.0, num_splits=2,
                                workspace=DecodeWorkspace.allocate(2, 8, 32, 3, "cpu"))
+
+
+def test_config_for_batch() -> None:
+    """32-token tiles while batch x kv heads programs fill a quarter of the multiprocessors or
+    less (4 assumed off-GPU), 64 from there; the other parameters are the defaults."""
+    cpu = torch.device("cpu")
+    assert DecodeConfig.for_batch(1, 1, cpu) == DecodeConfig(block_n=32)
+    assert DecodeConfig.for_batch(1, 2, cpu) == DecodeConfig()
+    assert DecodeConfig.for_batch(2, 1, cpu) == DecodeConfig()

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from common.kv_transport import checksum as checksum_module
 from common.kv_transport import copy_blocks, kv_checksum
 from common.kv_transport.blocks import block_runs, dtype_from_name, dtype_name
+from common.kv_transport.checksum import block_sums_torch
 
 SHAPE = [2, 2, 6, 4, 2, 8]  # layers, kv, blocks, block_size, kv_heads, head_dim
 
@@ -92,3 +95,23 @@ def test_combine_wraps_like_int64() -> None:
     want = int((weight * (sums[:, 0] + checksum_module._MIX * sums[:, 1])).sum())
     assert checksum_module.combine(sums.tolist()) == want
     assert checksum_module.combine([]) == 0
+
+
+
+def _sums_and_scratch(pool: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    sums = block_sums_torch(pool, ids)
+    buffers = checksum_module._scratch_local.buffers[(pool.device, pool.dtype)]
+    return sums, [t.data_ptr() for t in buffers]
+
+
+def test_torch_sums_reuse_this_threads_scratch() -> None:
+    """The CPU path gathers into the same buffers call after call (no fresh pages to fault in),
+    and another thread gets buffers of its own."""
+    pool = _pool(4)
+    ids = torch.tensor([3, 1, 2])
+    first, held = _sums_and_scratch(pool, ids)
+    again, held_again = _sums_and_scratch(pool, ids)
+    assert torch.equal(again, first) and held_again == held
+    with ThreadPoolExecutor(1) as other:
+        theirs, their_buffers = other.submit(_sums_and_scratch, pool, ids).result()
+    assert torch.equal(theirs, first) and set(their_buffers).isdisjoint(held)
