@@ -152,8 +152,6 @@ SWEEP_CONFIGS = [DecodeConfig(bn, w, s, waves) for bn, w, s, waves in itertools.
 ENGINE_CASES = ((1, 576), (16, 512), (64, 512), (256, 640), (256, 768))
 ENGINE_CONFIGS = [DecodeConfig(bn, w, s) for bn, w, s in
                   itertools.product((32, 64), (4, 8), (2, 3, 4))]
-
-
 ENGINE_TABLE_CTX = 2048  # gpu_perf.py and gpu_profile.py build engines with max_model_len 2048
 
 
@@ -192,9 +190,9 @@ def decode_sweep(copy_tb_s: float, cases=SWEEP_CASES, configs=SWEEP_CONFIGS,
         score.setdefault(r["config"], []).append(math.log(r["rel"]))
     n = len(cases)
     best = min((c for c in score if len(score[c]) == n), key=lambda c: sum(score[c]))
-    default = DecodeConfig()
+    default = DecodeConfig()  # for_batch's choice from a quarter of the multiprocessors up
     print(f"sweep best overall: {best} geomean {math.exp(sum(score[best]) / n):.3f} x the "
-          f"per-case best; default {default} "
+          f"per-case best; {default} "
           + (f"{math.exp(sum(score[default]) / n):.3f}" if default in score else "not swept"))
     for r in results:
         r["config"] = str(r["config"])
@@ -278,9 +276,10 @@ def print_decode_table(title: str, rows: list[dict]) -> None:
         err = f"{max(errs):.1e}" if errs else "-"
         fused, two = (("-" if us is None else f"{us:.1f}")
                       for us in (r["us_fused"], r["us_two_launch"]))
-        print(f"| {r['batch']} | {r['ctx']} | {r['block_n']} | {r['splits']} | {r['mb']:.0f} | {r['us']:.1f} | "
-              f"{r['spread_us']:.1f} | {r['tb_s']:.2f} | {100 * r['frac_copy']:.1f} | "
-              f"{fused} | {two} | {r['same_copy_us']:.1f} | {r['eager_us']:.1f} | {err} |")
+        print(f"| {r['batch']} | {r['ctx']} | {r['block_n']} | {r['splits']} | {r['mb']:.0f} | "
+              f"{r['us']:.1f} | {r['spread_us']:.1f} | {r['tb_s']:.2f} | "
+              f"{100 * r['frac_copy']:.1f} | {fused} | {two} | {r['same_copy_us']:.1f} | "
+              f"{r['eager_us']:.1f} | {err} |")
 
 
 def main() -> None:
@@ -289,8 +288,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="time launch configurations first, then tabulate the best one too")
     ap.add_argument("--sweep-engine", action="store_true",
-                    help="only sweep decode configurations (grid order too) at the engine "
-                         "benchmarks' batch sizes and contexts, then stop")
+                    help="only sweep decode configurations at the engine benchmarks' batch "
+                         "sizes and contexts, then stop")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     result: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": props.name,
