@@ -58,6 +58,12 @@ def _norm_qkv_rotary_kernel(
     acc_hi = tl.zeros([PAIRS, BLOCK_K], tl.float32)
     sq = tl.zeros([BLOCK_K], tl.float32)
     res_end = tl.where(pid == 0, K, 0)   # program 0 writes the new residual, the rest do not
+    # The epilogue's loads first: their latency (position -> cos/sin, slot) then hides behind
+    # the weight stream instead of following it.
+    pos = tl.load(positions_ptr)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + i)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + i)
+    slot = tl.load(slots_ptr)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k0 + offs_k
         x, x_sq = input_tile(h_ptr, res_ptr, g_ptr, res_out_ptr, cols, K, res_end, 1,
@@ -76,9 +82,6 @@ def _norm_qkv_rotary_kernel(
     lo = lo.to(dtype).to(tl.float32)   # the qkv projection's output, as the unfused path has it
     hi = hi.to(dtype).to(tl.float32)
 
-    pos = tl.load(positions_ptr)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + i)
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + i)
     hb = i * 0 + head                    # [PAIRS] broadcast of the program's head
     rotate = hb < HEADS + KV_HEADS       # q and k heads; v heads are stored as they are
     out_lo = tl.where(rotate, (lo * cos - hi * sin).to(dtype), lo.to(dtype))
@@ -87,7 +90,6 @@ def _norm_qkv_rotary_kernel(
     is_q = hb < HEADS
     tl.store(q_out_ptr + head * HEAD_DIM + i, out_lo, mask=is_q)
     tl.store(q_out_ptr + head * HEAD_DIM + HALF + i, out_hi, mask=is_q)
-    slot = tl.load(slots_ptr)
     block = tl.maximum(slot, 0) // BLOCK_SIZE
     row = tl.maximum(slot, 0) % BLOCK_SIZE
     kv_head = tl.maximum(head - HEADS, 0) % KV_HEADS
