@@ -23,7 +23,7 @@ from common.uploads import to_device
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 _MASK = (1 << 64) - 1
-_CHUNK_BYTES = 4 << 20                  # blocks gathered per pass (a thread keeps 3x this)
+_CHUNK_BYTES = 2 << 20                  # blocks gathered per pass (a thread keeps 3x this)
 
 
 def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
