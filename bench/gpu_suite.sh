@@ -19,6 +19,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # the wheels gpu_disagg.sh lists (redis,
     python3 -m pip install -q --no-deps --target "$EXTRA" .whl/*.whl 2>&1 | grep -v WARNING | tail -2
 fi
 export PYTHONPATH="$EXTRA:$PWD" PYTHONUNBUFFERED=1
+# tests/common imports these at collection; without them pytest stops before running anything.
+if ! python3 -c 'import redis, cryptography, grpc_health, grpc_reflection' 2>/dev/null \
+        || ! ls protos/splitserve/v1/*_pb2.py >/dev/null 2>&1; then
+    echo "missing the carried wheels or the generated protos: see the top of this file" >&2
+    exit 2
+fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
     --format=csv 2>&1 | tee "$OUT/gpu.txt"
