@@ -162,6 +162,7 @@ def decode_sweep(copy_tb_s: float, cases=SWEEP_CASES, configs=SWEEP_CONFIGS,
     count comes from the launcher's heuristic for a block table of max(ctx, table_ctx) tokens
     (the engine's tables are max_model_len wide)."""
     results = []
+    chosen_rel = []  # per case: the launcher's own choice (DecodeConfig.for_batch) / the best
     for batch, ctx in cases:
         case = DecodeCase(batch, ctx)
         for cfg in configs:
@@ -183,6 +184,7 @@ def decode_sweep(copy_tb_s: float, cases=SWEEP_CASES, configs=SWEEP_CONFIGS,
                   + ("  (default)" if r in default else ""))
         for r in mine:
             r["rel"] = r["us"] / mine[0]["us"]
+        chosen_rel += [math.log(r["rel"]) for r in default]
         del case
         torch.cuda.empty_cache()
     score: dict[DecodeConfig, list[float]] = {}
@@ -190,10 +192,9 @@ def decode_sweep(copy_tb_s: float, cases=SWEEP_CASES, configs=SWEEP_CONFIGS,
         score.setdefault(r["config"], []).append(math.log(r["rel"]))
     n = len(cases)
     best = min((c for c in score if len(score[c]) == n), key=lambda c: sum(score[c]))
-    default = DecodeConfig()  # for_batch's choice from a quarter of the multiprocessors up
     print(f"sweep best overall: {best} geomean {math.exp(sum(score[best]) / n):.3f} x the "
-          f"per-case best; {default} "
-          + (f"{math.exp(sum(score[default]) / n):.3f}" if default in score else "not swept"))
+          f"per-case best; DecodeConfig.for_batch "
+          + (f"{math.exp(sum(chosen_rel) / n):.3f}" if len(chosen_rel) == n else "not swept"))
     for r in results:
         r["config"] = str(r["config"])
     return results, best

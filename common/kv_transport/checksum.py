@@ -59,16 +59,16 @@ def block_sums_torch(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     call to the next: fresh temporaries of this size come from new pages each call, and on a
     virtual machine their page faults cost five times the arithmetic (a 32-block SmolLM2 handoff
     in the services: ~150 ms of system time against ~30 ms of sums)."""
-    block = pool[:, :, 0]
-    block_words = block.numel() * pool.element_size() // 4
+    block_elems = pool[:, :, 0].numel()
+    block_words = block_elems * pool.element_size() // 4
     per_pass = max(1, min(index.numel(), _CHUNK_BYTES // (4 * block_words)))
-    gathered, wide = _scratch(pool, per_pass * block.numel(), per_pass * block_words)
+    gathered, wide = _scratch(pool, per_pass * block_elems, per_pass * block_words)
     sums = torch.empty(index.numel(), 2, dtype=torch.int64, device=pool.device)
     for start in range(0, index.numel(), per_pass):
         ids = index[start:start + per_pass]
         k = ids.numel()
         # [layers, 2, k, block_size, kv_heads, head_dim], then each block's words in one row
-        blocks = gathered[:k * block.numel()].view(*pool.shape[:2], k, *pool.shape[3:])
+        blocks = gathered[:k * block_elems].view(*pool.shape[:2], k, *pool.shape[3:])
         torch.index_select(pool, BLOCK_AXIS, ids, out=blocks)
         words = blocks.view(torch.int32).movedim(BLOCK_AXIS, 0)
         rows = wide[:k * block_words].view(words.shape)

@@ -97,7 +97,6 @@ def test_combine_wraps_like_int64() -> None:
     assert checksum_module.combine([]) == 0
 
 
-
 def _sums_and_scratch(pool: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     sums = block_sums_torch(pool, ids)
     buffers = checksum_module._scratch_local.buffers[(pool.device, pool.dtype)]
