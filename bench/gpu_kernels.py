@@ -28,6 +28,7 @@ import triton
 from triton.testing import do_bench
 
 from kernels import reference
+from kernels.argmax import argmax_rows
 from kernels.block_copy import CopyConfig, copy_blocks
 from kernels.decode_attention import (
     DecodeConfig,
@@ -47,6 +48,18 @@ def median_ms(fn, reps: int = 3) -> tuple[float, float]:
     """(median, spread) over `reps` do_bench medians, in ms."""
     runs = sorted(do_bench(fn, warmup=10, rep=40, return_mode="median") for _ in range(reps))
     return runs[len(runs) // 2], runs[-1] - runs[0]
+
+
+def graphed_ms(fn, calls: int = 20) -> float:
+    """GPU time of one call: `calls` back-to-back calls captured in a CUDA graph, the replay's
+    median over do_bench / calls (eager timing of a few-us kernel measures the Python launch)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return do_bench(graph.replay, warmup=5, rep=40, return_mode="median") / calls
 
 
 def copy_bandwidth() -> dict:
@@ -149,9 +162,10 @@ SWEEP_CONFIGS = [DecodeConfig(bn, w, s, waves) for bn, w, s, waves in itertools.
     (32, 64, 128), (4, 8), (2, 3), (1, 2, 4))] + [DecodeConfig(64, 2, 3, 2)]
 # The decode steps the engine benchmarks run (T3's batch 1, T4's batch 256 and the batches
 # between, at their contexts), over tile, warps and stages.
-ENGINE_CASES = ((1, 576), (16, 512), (64, 512), (256, 640), (256, 768))
-ENGINE_CONFIGS = [DecodeConfig(bn, w, s) for bn, w, s in
-                  itertools.product((32, 64), (4, 8), (2, 3, 4))]
+ENGINE_CASES = ((1, 576), (4, 576), (8, 512), (16, 512), (32, 512), (64, 512), (128, 640),
+                (256, 640), (256, 768))
+ENGINE_CONFIGS = [DecodeConfig(bn, w, s, fused_merge=f) for bn, w, s, f in
+                  itertools.product((32, 64), (4, 8), (2, 3, 4), (False, True))]
 ENGINE_TABLE_CTX = 2048  # gpu_perf.py and gpu_profile.py build engines with max_model_len 2048
 
 
@@ -219,6 +233,22 @@ def block_copy_bench(copy_tb_s: float) -> list[dict]:
     reference.copy_blocks(src, want, src_ids, dst_ids)
     assert torch.equal(dst, want), "block copy differs from the reference"
     return rows
+
+
+def argmax_bench(copy_tb_s: float, vocab: int = 128256) -> list[dict]:
+    """kernels.argmax.argmax_rows against torch.argmax over float32 logits rows (the sampler's
+    greedy pick) at the decode batch sizes; fraction of the copy bandwidth for the bytes read."""
+    rows_out = []
+    for rows in (1, 4, 16, 32, 64, 128, 256):
+        x = torch.randn(rows, vocab, device="cuda", dtype=torch.float32)
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), "argmax_rows differs from torch"
+        ours, theirs = (graphed_ms(lambda x=x, f=f: f(x)) for f in
+                        (argmax_rows, lambda t: t.argmax(dim=-1)))
+        read = x.numel() * 4
+        rows_out.append({"rows": rows, "vocab": vocab, "kernel_us": ours * 1e3,
+                         "torch_us": theirs * 1e3,
+                         "kernel_frac_copy": read / ours / 1e9 / copy_tb_s})
+    return rows_out
 
 
 def extend_case(batch: int, q_len: int, prefix: int, configs: list[ExtendConfig]) -> list[dict]:
@@ -300,6 +330,10 @@ def main() -> None:
     copy = copy_bandwidth()
     result["copy"] = copy
     print(f"copy bandwidth: {copy['tb_s']:.2f} TB/s (spread {copy['spread_ms'] * 1e3:.0f} us)")
+    result["argmax"] = argmax_bench(copy["tb_s"])
+    for r in result["argmax"]:
+        print(f"argmax {r['rows']} x {r['vocab']} float32: kernel {r['kernel_us']:.1f} us "
+              f"({100 * r['kernel_frac_copy']:.0f}% of copy), torch.argmax {r['torch_us']:.1f} us")
     if args.sweep_engine:
         result["decode_sweep_engine"], best = decode_sweep(copy["tb_s"], ENGINE_CASES,
                                                            ENGINE_CONFIGS, ENGINE_TABLE_CTX)

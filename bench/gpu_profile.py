@@ -76,6 +76,7 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, reps: int) -> dic
     end.record()
     end.synchronize()
     replay_us = start.elapsed_time(end) * 1e3 / reps
+    steps = profile_steps(engine, set(names), reps)
     while engine.has_unfinished():
         engine.step()
     model = engine.model
@@ -86,7 +87,36 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, reps: int) -> dic
             "kernels_per_step": count / reps, "kernel_us_by_kind": dict(totals),
             "kernel_us_sum": sum(totals.values()),
             "top_kernels_us": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]),
-            "matrix_weight_bytes": weight_bytes}
+            "matrix_weight_bytes": weight_bytes, "engine_steps": steps}
+
+
+def profile_steps(engine: LLMEngine, graph_kernels: set[str], reps: int) -> dict:
+    """The GPU work of `reps` engine steps around the graph replays: per step, the device
+    timeline's span (first op start to last op end, over the steps) against the busy time, and
+    the ops that are not the graph's kernels (uploads, placeholder fills, sampling, copies)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t) / reps * 1e6
+    spans = [(e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not spans:
+        return {}
+    spans.sort()
+    busy = sum(end - start for start, end, _ in spans) / reps
+    span = (max(end for _, end, _ in spans) - spans[0][0]) / reps
+    outside: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for start, end, name in spans:
+        if name not in graph_kernels:
+            outside[name][0] += 1 / reps
+            outside[name][1] += (end - start) / reps
+    return {"wall_us": wall_us, "device_span_us": span, "device_busy_us": busy,
+            "device_idle_us": span - busy,
+            "outside_graph": {k: {"count": round(c, 2), "us": us} for k, (c, us) in
+                              sorted(outside.items(), key=lambda kv: -kv[1][1])}}
 
 
 def profile_ttft(engine: LLMEngine, cached: int, new: int, reps: int) -> dict:
@@ -153,6 +183,12 @@ def profile_variant(args: argparse.Namespace, variant: str, ttft: bool) -> list[
               f"{r['kernel_us_sum']:.0f} us in {r['kernels_per_step']:.0f} launches; "
               f"weight-read floor {floor_us:.0f} us")
         print_kernels(r)
+        st = r["engine_steps"]
+        if st:
+            print(f"  engine step: wall {st['wall_us']:.0f} us, device span {st['device_span_us']:.0f}"
+                  f" us, busy {st['device_busy_us']:.0f}, idle {st['device_idle_us']:.0f}")
+            for name, v in list(st["outside_graph"].items())[:10]:
+                print(f"    outside the graph: {v['count']:4.1f} x {v['us']:7.1f} us  {name}")
     if ttft:
         r = profile_ttft(engine, 500, 100, args.reps)
         r["ops"] = variant

@@ -33,7 +33,7 @@ from common.models.llama import LlamaModel
 from common.models.loader import load_model
 from common.models.model_config import ModelConfig
 from common.models.ops_onednn import install_cpu_ops
-from common.sampler import processed_probs
+from common.sampler import processed_probs, row_argmax
 from common.sequence import Sequence
 from common.spec_decode.proposer import Draft, Proposer
 from common.uploads import to_device
@@ -155,7 +155,7 @@ class DraftModelProposer(Proposer):
                 ) -> tuple[list[int], list[torch.Tensor | None]]:
         """Greedy requests take the argmax (q one-hot: None); the others sample from q, the
         draft's logits processed with the request's own settings."""
-        token = logits.argmax(dim=-1)
+        token = row_argmax(logits)
         q_rows: list[torch.Tensor | None] = [None] * len(seqs)
         sampled = [k for k, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled:
@@ -165,7 +165,7 @@ class DraftModelProposer(Proposer):
             for n, k in enumerate(sampled):
                 if seqs[k].params.seed is not None:
                     noise[n].exponential_(generator=self._generator(seqs[k]))
-            token[rows] = q.div(noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+            token[rows] = row_argmax(q.div(noise.clamp_min_(torch.finfo(torch.float32).tiny)))
             for n, k in enumerate(sampled):
                 q_rows[k] = q[n]
         return token.tolist(), q_rows

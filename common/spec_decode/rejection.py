@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.sampler import Sampler, _mask_stop_tokens, processed_probs
+from common.sampler import Sampler, _mask_stop_tokens, processed_probs, row_argmax
 from common.sequence import Sequence
 from common.uploads import to_device
 
@@ -70,7 +70,7 @@ class RejectionSampler:
         # The draft each row judges; -1 on a sequence's last row (the bonus position).
         judged_host = [d[j] if j < len(d) else -1 for d in drafts for j in range(len(d) + 1)]
         judged = to_device(judged_host, torch.long, device)
-        token = logits.argmax(dim=-1)  # greedy rows keep this
+        token = row_argmax(logits)  # greedy rows keep this
         accept = token == judged
         sampled = [r for r, i in enumerate(owner) if not seqs[i].params.greedy]
         states: dict[int, list[torch.Tensor]] = {}
@@ -96,7 +96,7 @@ class RejectionSampler:
                 # p == q to the last bit leaves no residual; a rejection then has probability 0.
                 target = probs.clone()
                 target[local] = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-            drawn = target.div(noise).argmax(dim=-1)
+            drawn = row_argmax(target.div(noise))
             token[rows] = drawn
             accept[rows] = drawn == judged[rows]
             if dense:
