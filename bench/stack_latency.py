@@ -283,6 +283,16 @@ def main() -> int:
     local_around = [t - e for t, (_, e) in zip(local_ttft, local, strict=True)]
     stack_around = [t - (s.prefill_queue_ms + s.prefill_compute_ms)
                     for t, (_, s) in zip(stack_ttft, stack, strict=True)]
+    # Where the stack's part goes, from the gateway's StageTimings: the client <-> gateway
+    # call (TTFT seen by the client minus the gateway's own), the gateway before its Prefill
+    # call (routing), and that call around the engine (gRPC both ways, the service's hops).
+    split = {
+        "client_gateway": p50([t - s.ttft_ms for t, (_, s) in
+                               zip(stack_ttft, stack, strict=True)]),
+        "gateway_routing": p50([s.gateway_ms for _, s in stack]),
+        "prefill_call_around_engine": p50([s.ttft_ms - s.gateway_ms - s.prefill_queue_ms
+                                           - s.prefill_compute_ms for _, s in stack]),
+    }
     result = {
         "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "model": args.model,
@@ -294,6 +304,7 @@ def main() -> int:
         "ttft_outside_engine_ms_p50": {"in_process": p50(local_around),
                                        "stack": p50(stack_around)},
         "itl_overhead_ms_p50": p50(stack_itl) - p50(local_itl),
+        "ttft_stack_split_ms_p50": split,
         "handoff": {**handoff_summary(handoffs, args.handoff_prompt_tokens),
                     "bytes_by_transport": transports},
         "targets": {"ttft_overhead_ms": 1.0, "itl_overhead_ms": 0.3, "handoff_fraction": 0.05},
@@ -308,6 +319,8 @@ def main() -> int:
     print(f"\n{'metric':<16}{'in-process':>12}{'stack':>12}{'overhead':>12}  target")
     for name, a, b, d, target in rows:
         print(f"{name:<16}{a:>12.2f}{b:>12.2f}{d:>12.2f}  {target}")
+    print("  the stack's part, p50: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms"
+                                                   for k, v in split.items()))
     print(f"\nhandoff of a {h['prompt_tokens']}-token prompt: publish {h['publish_ms_p50']:.1f} ms + "
           f"pull {h['pull_ms_p50']:.1f} ms over prefill {h['prefill_compute_ms_p50']:.1f} ms = "
           f"{100 * h['fraction_p50']:.1f} % (target <= 5 %); bytes by transport {transports}")

@@ -49,12 +49,18 @@ class DecodeConfig:
 
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device) -> DecodeConfig:
-        """The launch parameters for a decode of `batch` sequences. Where batch * kv_heads
-        programs fill a quarter of the multiprocessors or less, 32-token tiles: a short context
-        has few 64-token tiles, so few of its splits have work (H200, batch 1 at context 576:
-        6.0 against 7.2 us a layer); from there on 64 (bench/NOTES.md, the engine sweep)."""
-        small = 4 * batch * kv_heads <= _processor_count(device)
-        return cls(block_n=32) if small else cls()
+        """The launch parameters for a decode of `batch` sequences (H200, llama-3-8b shapes,
+        bench/NOTES.md "the engine sweep"), by the programs batch * kv_heads make before
+        splitting, against the multiprocessors:
+
+            <= 1/2 of them: 32-token tiles (a short context has few 64-token tiles, so few of
+                            its splits have work; batch 8, ctx 512: 10.9 against 11.4 us)
+            >  1/8 of them: the fused merge, one launch fewer (batch 8: 12.4 -> 10.9 us, 16:
+                            18.0 -> 16.2, 32: 26.8 -> 25.8); below that the split count is 32
+                            and the one merging program reads too much (batch 1: 6.7 vs 7.4)
+        """
+        programs, sms = batch * kv_heads, _processor_count(device)
+        return cls(block_n=32 if 2 * programs <= sms else 64, fused_merge=8 * programs > sms)
 
 
 @dataclass(frozen=True, slots=True)

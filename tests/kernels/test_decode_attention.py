@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import reference
+from kernels import decode_attention, reference
 from kernels.decode_attention import DecodeConfig, DecodeWorkspace, paged_attention_decode
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -161,10 +161,14 @@ def test_rejects_bad_arguments() -> None:
                                workspace=DecodeWorkspace.allocate(2, 8, 32, 3, "cpu"))
 
 
-def test_config_for_batch() -> None:
-    """32-token tiles while batch x kv heads programs fill a quarter of the multiprocessors or
-    less (4 assumed off-GPU), 64 from there; the other parameters are the defaults."""
+def test_config_for_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By the programs batch x kv heads make, on an H200's 132 multiprocessors: 32-token tiles
+    up to half of them, 64 above; the fused merge above an eighth; the rest the defaults."""
+    monkeypatch.setattr(decode_attention, "_processor_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert DecodeConfig.for_batch(1, 1, cpu) == DecodeConfig(block_n=32)
-    assert DecodeConfig.for_batch(1, 2, cpu) == DecodeConfig()
-    assert DecodeConfig.for_batch(2, 1, cpu) == DecodeConfig()
+    assert DecodeConfig.for_batch(1, 8, cpu) == DecodeConfig(block_n=32)
+    assert DecodeConfig.for_batch(2, 8, cpu) == DecodeConfig(block_n=32)
+    assert DecodeConfig.for_batch(4, 8, cpu) == DecodeConfig(block_n=32, fused_merge=True)
+    assert DecodeConfig.for_batch(8, 8, cpu) == DecodeConfig(block_n=32, fused_merge=True)
+    assert DecodeConfig.for_batch(16, 8, cpu) == DecodeConfig(fused_merge=True)
+    assert DecodeConfig.for_batch(256, 8, cpu) == DecodeConfig(fused_merge=True)
