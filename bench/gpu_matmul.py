@@ -37,6 +37,7 @@ import triton
 
 from common.models.dummy import dummy_config
 from kernels.fused_gemv import act_linear, norm_linear
+from kernels.fused_qkv import norm_qkv_rotary_store, qkv_config
 from kernels.skinny_gemm import MAX_M, SkinnyConfig, default_config, skinny_linear
 
 LIBRARIES = ("default", "cublas", "cublaslt")
@@ -169,6 +170,34 @@ FUSED_CANDIDATES = [SkinnyConfig(1, 16, 512), SkinnyConfig(1, 8, 512), SkinnyCon
                     SkinnyConfig(1, 8, 1024, num_warps=8)]
 
 
+QKV_CANDIDATES = [SkinnyConfig(1, 16, 512), SkinnyConfig(1, 16, 256, num_stages=3),
+                  SkinnyConfig(1, 16, 256, num_stages=6), SkinnyConfig(1, 16, 256, num_stages=2),
+                  SkinnyConfig(1, 8, 256), SkinnyConfig(1, 32, 256), SkinnyConfig(1, 16, 128),
+                  SkinnyConfig(1, 16, 128, num_stages=6), SkinnyConfig(1, 16, 256, num_warps=2)]
+
+
+def qkv_rotary_rows(shape: str, x: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
+                    weights: list[torch.Tensor]) -> list[tuple[str, SkinnyConfig, float]]:
+    """The engine's batch-1 qkv launch (kernels.fused_qkv: norm, GEMV, rotary, K/V store) for
+    each candidate config (rows per program = 2 x pairs, at most head_dim)."""
+    c = dummy_config(shape)
+    cache = torch.zeros(4, 16, c.num_kv_heads, c.head_dim, device="cuda", dtype=x.dtype)
+    positions = torch.tensor([100], device="cuda")
+    slot = torch.tensor([5], device="cuda")
+    cos_sin = torch.randn(2048, c.head_dim, device="cuda")
+    rows = []
+    for cfg in [None, *QKV_CANDIDATES]:
+        def qkv(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig | None = cfg,
+                ) -> torch.Tensor:
+            return norm_qkv_rotary_store(x, res, g, 1e-5, w, None, positions, cos_sin, cache,
+                                         cache, slot, c.num_heads, config=cfg)[0]
+        used = cfg or qkv_config(*weights[0].shape,
+                                 torch.cuda.get_device_properties(0).multi_processor_count)
+        rows.append(("qkv_rotary" + (" (default)" if cfg is None else ""), used,
+                     time_calls(qkv, x, weights)))
+    return rows
+
+
 def bench_fused(args: argparse.Namespace) -> dict:
     """Plain skinny GEMV (default config) and fused-GEMV candidates per fused projection."""
     results = []
@@ -198,6 +227,8 @@ def bench_fused(args: argparse.Namespace) -> dict:
                          res: torch.Tensor = res, g: torch.Tensor = g) -> torch.Tensor:
                     return norm_linear(x, res, g, 1e-5, w, config=cfg)[0]
                 rows.append(("fused", cfg, time_calls(norm, x, weights)))
+        if name == "qkv":
+            rows += qkv_rotary_rows(args.shape, x, res, g, weights)
         for impl, cfg, us in rows:
             results.append({"proj": name, "n": n, "k": k, "impl": impl, "config": cfg._asdict(),
                             "us": us, "of_floor": floor / us, "vs_plain": plain / us})

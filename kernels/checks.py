@@ -6,6 +6,7 @@ word; these checks turn that into a ValueError naming the argument before anythi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,15 @@ def check_tensor(name: str, t: torch.Tensor, *, dim: int | None = None,
 def check_same_dtype(names: str, *tensors: torch.Tensor) -> None:
     if len({t.dtype for t in tensors}) != 1:
         raise ValueError(f"{names}: dtypes differ: {[t.dtype for t in tensors]}")
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int | None:
+    """The CUDA device's multiprocessor count; None elsewhere (the interpreter), where each
+    launcher assumes its own stand-in."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return None
 
 
 def next_pow2(n: int) -> int:

@@ -26,14 +26,13 @@ Rows whose seq_len is 0 (batch padding) come out as zeros.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor, next_pow2
+from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor, multiprocessors, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -254,11 +253,9 @@ def _merge_chunk(heads: int, block_d: int, num_warps: int, regs: int) -> int:
     return 1 << (fit.bit_length() - 1)
 
 
-@functools.cache
 def _processor_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: few programs, still more than one split on small tests
+    # The interpreter: 4, few programs but still more than one split on small tests.
+    return multiprocessors(device) or 4
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device,

@@ -24,14 +24,13 @@ on CUDA). The grid depends on shapes only, so calls can be captured in a CUDA gr
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor
+from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor, multiprocessors
 
 MAX_M = 32        # rows the launcher accepts
 # Rows supports() admits by default. The H200 sweep of 2026-11-30 (bench/RESULTS.md): at M=1
@@ -160,11 +159,8 @@ def _sum_splits_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
 def processor_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SMS
+    return multiprocessors(device) or H200_SMS
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
