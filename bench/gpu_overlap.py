@@ -13,7 +13,11 @@ shuffled over the pool), and captures three CUDA graphs of the same decode step:
               while the other half's o/gate_up/down matmuls do
 
 and times replays with CUDA events (median of --reps). The logits of each variant are compared
-with plain's (same rows, same inputs; the half-batch matmuls may round differently).
+with plain's (same rows, same inputs; the half-batch matmuls may round differently). The K/V
+pool is left as allocated (unwritten), so the times are below the engine's at the same shapes:
+the ratios between the variants are the result.
+
+Outcome on the H200 (bench/NOTES.md, 2026-12-01): two streams were slower at every batch size.
 
     PYTHONPATH=. python3 bench/gpu_overlap.py --batch 256 512 1024 --out overlap.json
 """
