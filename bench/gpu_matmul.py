@@ -177,7 +177,8 @@ QKV_CANDIDATES = [SkinnyConfig(1, 16, 512), SkinnyConfig(1, 16, 256, num_stages=
 
 
 def qkv_rotary_rows(shape: str, x: torch.Tensor, res: torch.Tensor, g: torch.Tensor,
-                    weights: list[torch.Tensor]) -> list[tuple[str, SkinnyConfig, float]]:
+                    weights: list[torch.Tensor], sms: int,
+                    ) -> list[tuple[str, SkinnyConfig, float]]:
     """The engine's batch-1 qkv launch (kernels.fused_qkv: norm, GEMV, rotary, K/V store) for
     each candidate config (rows per program = 2 x pairs, at most head_dim)."""
     c = dummy_config(shape)
@@ -191,8 +192,7 @@ def qkv_rotary_rows(shape: str, x: torch.Tensor, res: torch.Tensor, g: torch.Ten
                 ) -> torch.Tensor:
             return norm_qkv_rotary_store(x, res, g, 1e-5, w, None, positions, cos_sin, cache,
                                          cache, slot, c.num_heads, config=cfg)[0]
-        used = cfg or qkv_config(*weights[0].shape,
-                                 torch.cuda.get_device_properties(0).multi_processor_count)
+        used = cfg or qkv_config(*weights[0].shape, sms)
         rows.append(("qkv_rotary" + (" (default)" if cfg is None else ""), used,
                      time_calls(qkv, x, weights)))
     return rows
@@ -228,7 +228,7 @@ def bench_fused(args: argparse.Namespace) -> dict:
                     return norm_linear(x, res, g, 1e-5, w, config=cfg)[0]
                 rows.append(("fused", cfg, time_calls(norm, x, weights)))
         if name == "qkv":
-            rows += qkv_rotary_rows(args.shape, x, res, g, weights)
+            rows += qkv_rotary_rows(args.shape, x, res, g, weights, sms)
         for impl, cfg, us in rows:
             results.append({"proj": name, "n": n, "k": k, "impl": impl, "config": cfg._asdict(),
                             "us": us, "of_floor": floor / us, "vs_plain": plain / us})
