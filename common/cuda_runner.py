@@ -93,7 +93,8 @@ class _Staged:
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    # Written by each replay. Decode: [bucket, vocab] float32 logits; prefill: [tokens, hidden].
+    # Written by each replay. Decode: [bucket, vocab] logits in the model's dtype; prefill:
+    # [tokens, hidden].
     output: torch.Tensor
 
 
@@ -289,7 +290,9 @@ class CudaGraphRunner(ModelRunner):
             max_seq_len=self.max_blocks * self.block_size)
         hidden = self.model(self.input_ids.dev[:bucket], self.positions.dev[:bucket],
                             self.kv_cache, meta, backend)
-        return self.model.compute_logits(hidden)
+        # In the model's dtype: a greedy batch takes their argmax as they are (no float32 copy
+        # of [bucket, vocab] in the graph); the sampler upcasts when it computes with them.
+        return self.model.compute_logits(hidden, upcast=False)
 
     def _prefill_forward(self, tokens: int, s: int, backend: AttentionBackend) -> torch.Tensor:
         meta = AttentionMetadata(

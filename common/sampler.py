@@ -89,7 +89,7 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        # logits: [num_seqs, vocab] float32; row i belongs to seqs[i]
+        # logits: [num_seqs, vocab], float32 or the model's dtype; row i belongs to seqs[i]
         return self.sample(logits, seqs).result()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -103,6 +103,13 @@ class Sampler:
             return DeviceSample(torch.empty(0, dtype=torch.long, device=logits.device), None, [])
         masked = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
         penalised = [i for i, seq in enumerate(seqs) if seq.params.needs_penalties]
+        plain_greedy = not masked and not penalised and all(
+            seq.params.greedy and seq.params.logprobs is None for seq in seqs)
+        if logits.dtype != torch.float32 and not plain_greedy:
+            # Lower-precision logits (the CUDA decode graphs') are upcast before anything
+            # computes with them; a plain greedy batch takes their argmax as it is (upcasting
+            # keeps the order, so the tokens are the same).
+            logits = logits.float()
         work = logits.clone() if masked or penalised else logits
         if masked:
             _mask_stop_tokens(work, [seqs[i] for i in masked], masked)

@@ -140,9 +140,11 @@ class LlamaModel(nn.Module):
         """[vocab, hidden]: lm_head's weight, or the embedding table when the two are tied."""
         return (self.embed_tokens if self.lm_head is None else self.lm_head).weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32."""
-        return self.ops.linear(hidden, self.logits_weight, None).float()
+    def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32 (upcast=False: in the model's dtype, which
+        Sampler.sample takes too)."""
+        logits = self.ops.linear(hidden, self.logits_weight, None)
+        return logits.float() if upcast else logits
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF checkpoint tensor name this model needs -> the parameter rows it fills.

@@ -214,6 +214,40 @@ def test_unseeded_rows_follow_the_global_rng() -> None:
     assert len(set(first)) == 3
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", ["greedy", "mixed"])
+def test_bf16_logits_sample_as_their_float32_upcast(device: str, batch: str) -> None:
+    """The CUDA decode graphs hand the sampler logits in the model's dtype: the same tokens
+    and logprobs as their float32 upcast, for a plain greedy batch (argmax of the bf16 rows,
+    ties included) and for one that samples, penalises, masks and asks for logprobs."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 300, generator=gen) * 4).to(torch.bfloat16)
+    logits[2, 17] = logits[2, 230] = logits[2].max() + 1   # a tie: the lower index wins
+    logits = logits.to(device)
+    if batch == "greedy":
+        rows = [dict(temperature=0.0) for _ in range(6)]
+    else:
+        rows = [dict(temperature=0.0), dict(temperature=0.0, logprobs=3),
+                dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.8, seed=1),
+                dict(temperature=0.0, min_tokens=2), dict(temperature=0.7, top_k=20, seed=2)]
+
+    def run(x: torch.Tensor):
+        seqs = [_seq(f"r{i}", prompt=[17, 40], outputs=[5], eos=(230,), **p)
+                for i, p in enumerate(rows)]
+        return Sampler()(x, seqs)
+
+    low, upcast = run(logits), run(logits.float())
+    assert low.token_ids == upcast.token_ids
+    assert low.logprobs == upcast.logprobs
+    if batch == "greedy":
+        assert low.token_ids == logits.float().argmax(dim=-1).tolist()
+        assert low.token_ids[2] == 17
+
+
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="do not match"):
         Sampler()(torch.zeros(2, 5), [_seq()])
