@@ -194,23 +194,44 @@ class Ours:
                 "roofline_ms": self.decode_roofline_ms(batch, ctx), "decode_steps": len(walls)}
 
     def offline(self, prompts: list, olens: list) -> dict:
-        steps0 = dict(self.runner.steps)
-        sync(self.device)
-        t = time.perf_counter()
-        outs = self.engine.generate(prompts, [greedy(o) for o in olens])
-        sync(self.device)
-        elapsed = time.perf_counter() - t
+        """generate() over the prompts; also splits the wall time at the last step that was not
+        a decode-graph replay: the prefill phase (prefill chunks, mixed steps) and the decode
+        phase after it (steps are timed at their launch, which overlap scheduling paces by the
+        device)."""
+        runner = self.runner
+        steps0 = dict(runner.steps)
+        launches: list[tuple[float, bool]] = []   # (launch time, a decode-graph replay)
+        plain_launch = runner._launch
+
+        def timed_launch(out, draft_probs):
+            graphs = runner.steps["graph"]
+            pending = plain_launch(out, draft_probs)
+            launches.append((time.perf_counter(), runner.steps["graph"] > graphs))
+            return pending
+
+        runner._launch = timed_launch
+        try:
+            sync(self.device)
+            t = time.perf_counter()
+            outs = self.engine.generate(prompts, [greedy(o) for o in olens])
+            sync(self.device)
+            end = time.perf_counter()
+        finally:
+            del runner._launch   # the class's method again
+        elapsed = end - t
         assert [len(o.output_token_ids) for o in outs] == olens
-        steps = {k: v - steps0[k] for k, v in self.runner.steps.items()}
+        steps = {k: v - steps0[k] for k, v in runner.steps.items()}
+        last_other = max((i for i, (_, g) in enumerate(launches) if not g), default=-1)
+        split = launches[last_other + 1][0] if last_other + 1 < len(launches) else end
         return {"requests": len(prompts), "output_tokens": sum(olens),
                 "prompt_tokens": sum(map(len, prompts)), "seconds_run": elapsed,
-                "tok_s": sum(olens) / elapsed, "runner_steps": steps}
+                "tok_s": sum(olens) / elapsed, "runner_steps": steps,
+                "prefill_phase_s": split - t, "prefill_phase_steps": last_other + 1,
+                "decode_phase_s": end - split,
+                "decode_phase_steps": len(launches) - last_other - 1}
 
-    def offline_floor_s(self, prompts: list, olens: list, batch: int) -> float:
-        """Prefill matmuls at the measured rate (lm_head on each prompt's last token only),
-        then requests decoding in waves of `batch`, each step at its roofline
-        (decode_roofline_ms: the matmuls at the slower of one weight read and the live rows'
-        FLOPs, plus the live contexts' K/V at the bandwidth)."""
+    def offline_floor_parts(self, prompts: list, olens: list, batch: int) -> tuple[float, float]:
+        """offline_floor_s in its two parts: (prefill, decode) seconds."""
         lm_head = 2 * self.mc.vocab_size * self.mc.hidden_size
         prefill = sum(len(p) for p in prompts) * (self.flops_per_token - lm_head) \
             + len(prompts) * lm_head
@@ -222,7 +243,14 @@ class Ours:
                 live = [i for i in wave if olens[i] > s]
                 context = sum(len(prompts[i]) + s for i in live) / len(live)
                 decode_ms += self.decode_roofline_ms(len(live), context)
-        return prefill / (self.ceil["matmul_tflops"] * 1e12) + decode_ms / 1e3
+        return prefill / (self.ceil["matmul_tflops"] * 1e12), decode_ms / 1e3
+
+    def offline_floor_s(self, prompts: list, olens: list, batch: int) -> float:
+        """Prefill matmuls at the measured rate (lm_head on each prompt's last token only),
+        then requests decoding in waves of `batch`, each step at its roofline
+        (decode_roofline_ms: the matmuls at the slower of one weight read and the live rows'
+        FLOPs, plus the live contexts' K/V at the bandwidth)."""
+        return sum(self.offline_floor_parts(prompts, olens, batch))
 
     def ttft(self, prompt: list[int], rid: str) -> float:
         e = self.engine
@@ -367,7 +395,9 @@ def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
 
     def t1() -> dict:
         r = ours.offline(p1, o1)
-        r["floor_s"] = ours.offline_floor_s(p1, o1, engine.config.max_num_seqs)
+        r["floor_prefill_s"], r["floor_decode_s"] = ours.offline_floor_parts(
+            p1, o1, engine.config.max_num_seqs)
+        r["floor_s"] = r["floor_prefill_s"] + r["floor_decode_s"]
         r["max_num_seqs"] = engine.config.max_num_seqs
         r["floor_tok_s"] = sum(o1) / r["floor_s"]
         r["scaled_down_from"] = args.prompts if n1 < args.prompts else None
@@ -424,6 +454,12 @@ def report(r: dict) -> None:
     for line in [head, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)))
     r["table"] = [dict(zip(head, row, strict=True)) for row in rows]
+    if get("T1", "decode_phase_s") is not None and get("T1", "floor_decode_s"):
+        print(f"T1 phases: prefill (chunks and mixed steps) {get('T1', 'prefill_phase_s'):.2f} s "
+              f"in {get('T1', 'prefill_phase_steps')} steps, floor "
+              f"{get('T1', 'floor_prefill_s'):.2f} s; decode {get('T1', 'decode_phase_s'):.2f} s "
+              f"in {get('T1', 'decode_phase_steps')} steps, roofline "
+              f"{get('T1', 'floor_decode_s'):.2f} s")
 
 
 if __name__ == "__main__":
