@@ -236,8 +236,10 @@ def block_copy_bench(copy_tb_s: float) -> list[dict]:
 
 
 def argmax_bench(copy_tb_s: float, vocab: int = 128256) -> list[dict]:
-    """kernels.argmax.argmax_rows against torch.argmax over float32 logits rows (the sampler's
-    greedy pick) at the decode batch sizes; fraction of the copy bandwidth for the bytes read."""
+    """kernels.argmax.argmax_rows against torch.argmax over float32 logits rows at the decode
+    batch sizes (the sampler's greedy pick when a batch also samples, penalises or asks for
+    logprobs; a plain greedy decode batch reads the graph's bf16 rows, half these bytes);
+    fraction of the copy bandwidth for the bytes read."""
     rows_out = []
     for rows in (1, 4, 16, 32, 64, 128, 256):
         x = torch.randn(rows, vocab, device="cuda", dtype=torch.float32)

@@ -103,9 +103,8 @@ class Sampler:
             return DeviceSample(torch.empty(0, dtype=torch.long, device=logits.device), None, [])
         masked = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
         penalised = [i for i, seq in enumerate(seqs) if seq.params.needs_penalties]
-        plain_greedy = not masked and not penalised and all(
-            seq.params.greedy and seq.params.logprobs is None for seq in seqs)
-        if logits.dtype != torch.float32 and not plain_greedy:
+        if logits.dtype != torch.float32 and (masked or penalised or not all(
+                seq.params.greedy and seq.params.logprobs is None for seq in seqs)):
             # Lower-precision logits (the CUDA decode graphs') are upcast before anything
             # computes with them; a plain greedy batch takes their argmax as it is (upcasting
             # keeps the order, so the tokens are the same).
