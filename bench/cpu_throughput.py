@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 from common.models.ops_onednn import resolve_cpu_linear
-from common.sampling_params import SamplingParams
 
 
 def gemm_gflops(hidden: int, inter: int, tokens: int = 2048, repeats: int = 5) -> float:

@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
-from common.cuda_runner import CudaGraphRunner
-from common.engine import LLMEngine
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.core.sequence import Sequence
+from common.engine.cuda_runner import CudaGraphRunner
+from common.engine.engine import LLMEngine
+from common.engine.sampler import DeviceSample, Sampler
 from common.models.llama import LlamaModel
 from common.models.model_config import ModelConfig
-from common.sampler import DeviceSample, Sampler
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.config import EngineConfig
-from common.cuda_runner import CudaGraphRunner
-from common.engine import LLMEngine
+from common.engine.config import EngineConfig
+from common.engine.cuda_runner import CudaGraphRunner
+from common.engine.engine import LLMEngine
 from common.models.attention import AttentionMetadata
 from common.models.attention_triton import TritonAttentionBackend
 from kernels.decode_attention import DecodeConfig, DecodeWorkspace, default_num_splits

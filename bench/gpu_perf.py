@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_model_check import build_engine, hf_model  # noqa: E402

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 from common.models import ops_triton
-from common.sampling_params import SamplingParams
 
 KINDS = (("attention", ("decode", "extend", "attn")), ("rotary/store", ("rotary", "store")),
          ("norm", ("rms", "norm")), ("activation", ("silu", "act")),

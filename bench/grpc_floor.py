@@ -26,8 +26,8 @@ import statistics
 import time
 from pathlib import Path
 
-from common import grpc_util
 from common.registry.embedded import free_port
+from common.serving import grpc_util
 from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
 
 GAPS_MS = (0, 1, 10, 50, 200)

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from bench.loadgen.datasets import random_lengths, shared_prefix
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 
 
 def make_engine(prefix_caching: bool, num_kv_blocks: int) -> LLMEngine:

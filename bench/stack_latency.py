@@ -41,11 +41,11 @@ from pathlib import Path
 
 import grpc
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 from common.registry import BlockRegistry, EmbeddedRedis
 from common.registry.embedded import free_port
-from common.sampling_params import SamplingParams
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from splitserve.launch import service_argv, start_service, stop_services
 

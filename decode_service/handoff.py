@@ -17,11 +17,11 @@ from typing import Any
 
 import redis
 
-from common.engine_loop import EngineLoop
 from common.kv_transport import KVReceiver, TransferError
-from common.metrics import DecodeMetrics
 from common.registry import BlockRegistry
-from common.tls import PLAINTEXT, TlsConfig
+from common.serving.engine_loop import EngineLoop
+from common.serving.metrics import DecodeMetrics
+from common.serving.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger("splitserve.decode.handoff")
 

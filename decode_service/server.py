@@ -6,13 +6,13 @@ import asyncio
 import logging
 import time
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
-from common.instance import ServiceInstance
-from common.metrics import DecodeMetrics
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
 from common.registry import BlockRegistry
-from common.tls import PLAINTEXT, TlsConfig
+from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.serving.instance import ServiceInstance
+from common.serving.metrics import DecodeMetrics
+from common.serving.tls import PLAINTEXT, TlsConfig
 from decode_service.config import DecodeConfig
 from decode_service.handoff import HandoffPuller
 from decode_service.servicer import DecodeServicer

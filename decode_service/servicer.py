@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.engine import Prefilled
-from common.engine_loop import AsyncOutputStream
-from common.grpc_util import ServiceError
-from common.instance import ServiceInstance
-from common.metrics import DecodeMetrics, StreamTimer
-from common.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
-from common.sampling_params import SamplingParams
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import Prefilled
+from common.serving.engine_loop import AsyncOutputStream
+from common.serving.grpc_util import ServiceError
+from common.serving.instance import ServiceInstance
+from common.serving.metrics import DecodeMetrics, StreamTimer
+from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
 from decode_service.handoff import HandoffFailed, HandoffPuller
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 

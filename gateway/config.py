@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common.config import DEFAULT_CACHE_DIR
-from common.dataclass_cli import add_dataclass_args, from_dataclass_args
+from common.engine.config import DEFAULT_CACHE_DIR
+from common.serving.dataclass_cli import add_dataclass_args, from_dataclass_args
 
 
 @dataclass(frozen=True, slots=True)

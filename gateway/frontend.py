@@ -9,9 +9,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from common.proto_convert import params_from_pb
-from common.sampling_params import InvalidRequestError, SamplingParams
-from common.tokenizer import Tokenizer
+from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.serving.proto_convert import params_from_pb
+from common.text.tokenizer import Tokenizer
 from protos.splitserve.v1 import generation_pb2, types_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

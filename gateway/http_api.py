@@ -24,8 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from common.grpc_util import status_of
-from common.openai_protocol import (
+from common.serving.grpc_util import status_of
+from common.serving.proto_convert import FINISH_FROM_PB, params_to_pb
+from common.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_body,
@@ -40,7 +41,6 @@ from common.openai_protocol import (
     usage,
     usage_chunk,
 )
-from common.proto_convert import FINISH_FROM_PB, params_to_pb
 from gateway.frontend import Frontend
 from protos.splitserve.v1 import generation_pb2, types_pb2
 

@@ -16,9 +16,9 @@ import time
 import grpc
 import redis
 
-from common import grpc_util
 from common.registry import BlockRegistry, InstanceInfo
-from common.tls import PLAINTEXT, TlsConfig
+from common.serving import grpc_util
+from common.serving.tls import PLAINTEXT, TlsConfig
 from gateway.quarantine import Quarantine
 from protos.splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 

@@ -34,11 +34,11 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.detokenizer import Decoder
-from common.grpc_util import ServiceError
-from common.proto_convert import ms
 from common.registry import InstanceInfo
-from common.tls import TlsConfig, aio_channel
+from common.serving.grpc_util import ServiceError
+from common.serving.proto_convert import ms
+from common.serving.tls import TlsConfig, aio_channel
+from common.text.detokenizer import Decoder
 from gateway.frontend import PreparedRequest
 from gateway.instances import Instances
 from gateway.quarantine import Quarantine

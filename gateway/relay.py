@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import grpc
 import redis
 
-from common.block_manager import hash_prefix_blocks
-from common.grpc_util import ServiceError
-from common.proto_convert import ms
+from common.engine.core.block_manager import hash_prefix_blocks
 from common.registry import BlockRegistry, InstanceInfo
+from common.serving.grpc_util import ServiceError
+from common.serving.proto_convert import ms
 from gateway.config import GatewayConfig
 from gateway.frontend import PreparedRequest
 from gateway.instances import Instances

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.grpc_util import ServiceError
+from common.serving.grpc_util import ServiceError
 from protos.splitserve.v1 import generation_pb2
 
 log = logging.getLogger("splitserve.gateway.resume")

@@ -7,12 +7,12 @@ import asyncio
 import logging
 import time
 
-from common.auth import NO_AUTH, ApiKeyInterceptor, ApiKeyMiddleware, AuthConfig
-from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
-from common.metrics import SLO, GatewayMetrics
 from common.registry import BlockRegistry
-from common.tls import PLAINTEXT, TlsConfig
-from common.tokenizer import Tokenizer
+from common.serving.auth import NO_AUTH, ApiKeyInterceptor, ApiKeyMiddleware, AuthConfig
+from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.serving.metrics import SLO, GatewayMetrics
+from common.serving.tls import PLAINTEXT, TlsConfig
+from common.text.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.http_api import OpenAIApi, create_app

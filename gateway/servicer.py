@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.grpc_util import ServiceError, status_of
-from common.metrics import GatewayMetrics, StreamTimer
-from common.proto_convert import FINISH_FROM_PB
+from common.serving.grpc_util import ServiceError, status_of
+from common.serving.metrics import GatewayMetrics, StreamTimer
+from common.serving.proto_convert import FINISH_FROM_PB
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.instances import Instances

@@ -5,7 +5,7 @@ to its prompt. That engine's detokenizer and stop-string matcher would start fro
 string straddling the migration point would be missed, and text held back as a possible stop
 prefix would be lost. So after a migration the gateway writes the text itself: TextReplay runs
 the tokens the client already has through the same IncrementalDetokenizer and StopChecker the
-engine uses (common/detokenizer.py), then each new token, with the engine's rules
+engine uses (common/text/detokenizer.py), then each new token, with the engine's rules
 (LLMEngine._append): a stop string ends the request once min_tokens are out; any other finish
 releases the held-back tail.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.detokenizer import Decoder, IncrementalDetokenizer, StopChecker
-from common.sampling_params import SamplingParams
+from common.engine.core.sampling_params import SamplingParams
+from common.text.detokenizer import Decoder, IncrementalDetokenizer, StopChecker
 
 
 class TextReplay:

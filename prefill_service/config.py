@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.instance import InstanceConfig
+from common.serving.instance import InstanceConfig
 
 
 @dataclass(frozen=True, slots=True)

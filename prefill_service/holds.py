@@ -14,9 +14,9 @@ import logging
 
 import redis
 
-from common.engine_loop import EngineLoop
-from common.metrics import PrefillMetrics
 from common.registry import BlockRegistry, HandoffState
+from common.serving.engine_loop import EngineLoop
+from common.serving.metrics import PrefillMetrics
 
 log = logging.getLogger("splitserve.prefill.holds")
 

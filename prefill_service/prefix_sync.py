@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from common.engine_loop import EngineLoop
 from common.registry import BlockRegistry
+from common.serving.engine_loop import EngineLoop
 
 
 class PrefixSync:

@@ -7,15 +7,15 @@ import asyncio
 import logging
 import time
 
-from common.config import EngineConfig
-from common.engine import LLMEngine, resolve_device
-from common.grpc_util import GrpcServer, Service, service_name, wait_for_signal
-from common.instance import ServiceInstance
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine, resolve_device
 from common.kv_transport import KVSource, KVTransferServicer, SharedMemoryPool
-from common.metrics import PrefillMetrics
+from common.kv_transport.shm_sweep import sweep_stale_pools
 from common.registry import BlockRegistry
-from common.shm_sweep import sweep_stale_pools
-from common.tls import PLAINTEXT, TlsConfig
+from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.serving.instance import ServiceInstance
+from common.serving.metrics import PrefillMetrics
+from common.serving.tls import PLAINTEXT, TlsConfig
 from prefill_service.config import PrefillConfig
 from prefill_service.holds import HandoffHolds
 from prefill_service.prefix_sync import PrefixSync

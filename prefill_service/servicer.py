@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.engine_loop import AsyncOutputStream
-from common.grpc_util import ServiceError
-from common.instance import ServiceInstance
 from common.kv_transport import KVSource
-from common.metrics import PrefillMetrics
-from common.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
+from common.serving.engine_loop import AsyncOutputStream
+from common.serving.grpc_util import ServiceError
+from common.serving.instance import ServiceInstance
+from common.serving.metrics import PrefillMetrics
+from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
 from prefill_service.holds import HandoffHolds
 from prefill_service.prefix_sync import PrefixSync
 from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common.tls import TlsConfig
+from common.serving.tls import TlsConfig
 
 
 @dataclass(frozen=True, slots=True)

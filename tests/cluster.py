@@ -16,10 +16,10 @@ from pathlib import Path
 
 import grpc
 
-from common.auth import bearer_metadata
 from common.registry import BlockRegistry, EmbeddedRedis
 from common.registry.embedded import free_port
-from common.tls import PLAINTEXT, TlsConfig, sync_channel
+from common.serving.auth import bearer_metadata
+from common.serving.tls import PLAINTEXT, TlsConfig, sync_channel
 from protos.splitserve.v1 import (
     decode_pb2_grpc,
     generation_pb2,

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common.config import DEFAULT_CACHE_DIR
+from common.engine.config import DEFAULT_CACHE_DIR
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import grpc
 import httpx2
 
 from bench.loadgen.datasets import BenchRequest
-from common.grpc_util import insecure_channel
+from common.serving.grpc_util import insecure_channel
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 
 

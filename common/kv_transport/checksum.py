@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from common.engine.uploads import to_device
 from common.kv_transport.blocks import BLOCK_AXIS, check_pool
-from common.uploads import to_device
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 _MASK = (1 << 64) - 1

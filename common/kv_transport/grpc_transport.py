@@ -6,7 +6,7 @@ KVTransferServicer is a grpc.aio servicer (the services run grpc.aio servers); t
 synchronous, for a worker thread, with one deadline over the whole stream.
 
 TLS: the servicer runs on the prefill service's own gRPC server, so it serves TLS (or mTLS) when
-that server does. GrpcTransport dials with the receiving process's TlsConfig (common/tls.py): a
+that server does. GrpcTransport dials with the receiving process's TlsConfig (common/serving/tls.py): a
 secure channel, presenting its certificate to a server that asks for one, when TLS is configured.
 A mismatch (TLS against a plaintext source, a source certificate the CA does not verify, no
 client certificate for an mTLS source) fails the handshake: the pull ends in a TransferError
@@ -25,7 +25,7 @@ import torch
 from common.kv_transport.base import KVTransport, TransferError
 from common.kv_transport.blocks import copy_blocks, dtype_from_name, dtype_name
 from common.registry.records import HandoffDescriptor
-from common.tls import PLAINTEXT, TlsConfig, sync_channel
+from common.serving.tls import PLAINTEXT, TlsConfig, sync_channel
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 DEFAULT_CHUNK_BYTES = 1 << 20

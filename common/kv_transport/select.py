@@ -13,7 +13,7 @@ from common.kv_transport.local import LocalTransport
 from common.kv_transport.locality import host_id, process_id
 from common.kv_transport.shm import ShmTransport
 from common.registry.records import HandoffDescriptor
-from common.tls import PLAINTEXT, TlsConfig
+from common.serving.tls import PLAINTEXT, TlsConfig
 
 TRANSPORTS: dict[str, type[KVTransport]] = {
     t.name: t for t in (LocalTransport, ShmTransport, CudaIpcTransport, GrpcTransport)}

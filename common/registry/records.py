@@ -81,7 +81,7 @@ class HandoffDescriptor:
     head_dim: int
     num_tokens: int              # prompt tokens whose KV the blocks hold
     block_ids: list[int]
-    block_hashes: list[int]      # chained hashes of the full blocks (common.block_manager)
+    block_hashes: list[int]      # chained hashes of the full blocks (common.engine.core.block_manager)
     checksum: int
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     created_at: float = 0.0      # time.time() at publish

@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.block_manager import BlockManager
-from common.config import EngineConfig
-from common.model_runner import BatchRow, build_batch
+from common.engine.config import EngineConfig
+from common.engine.core.block_manager import BlockManager
+from common.engine.core.sequence import Sequence
+from common.engine.model_runner import BatchRow, build_batch
+from common.engine.sampler import processed_probs, row_argmax
+from common.engine.uploads import to_device
 from common.models.attention import AttentionBackend
 from common.models.llama import LlamaModel
 from common.models.loader import load_model
 from common.models.model_config import ModelConfig
 from common.models.ops_onednn import install_cpu_ops
-from common.sampler import processed_probs, row_argmax
-from common.sequence import Sequence
 from common.spec_decode.proposer import Draft, Proposer
-from common.uploads import to_device
 
 
 def load_draft_model(config: EngineConfig, target: ModelConfig, dtype: torch.dtype,
@@ -80,7 +80,7 @@ class DraftModelProposer(Proposer):
         self.block_size = block_size
         self.backend = backend
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_cache = torch.zeros(  # zeroed: see common.model_runner.default_kv_allocator
+        self.kv_cache = torch.zeros(  # zeroed: see common.engine.model_runner.default_kv_allocator
             (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim),
             dtype=weight.dtype, device=self.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)

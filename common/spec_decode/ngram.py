@@ -8,7 +8,7 @@ O(new tokens * (max - min + 1)), not a scan of the whole sequence.
 
 from __future__ import annotations
 
-from common.sequence import Sequence
+from common.engine.core.sequence import Sequence
 from common.spec_decode.proposer import Draft, Proposer
 
 

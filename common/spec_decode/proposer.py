@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.sequence import Sequence
+from common.engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
     import torch

@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from common.sampler import Sampler, _mask_stop_tokens, processed_probs, row_argmax
-from common.sequence import Sequence
-from common.uploads import to_device
+from common.engine.core.sequence import Sequence
+from common.engine.sampler import Sampler, _mask_stop_tokens, processed_probs, row_argmax
+from common.engine.uploads import to_device
 
 
 class VerifyOutput(NamedTuple):

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.config import EngineConfig
+from common.engine.config import EngineConfig
+from common.engine.core.sequence import Sequence
 from common.models.attention import AttentionBackend
 from common.models.llama import LlamaModel
-from common.sequence import Sequence
 from common.spec_decode.draft_model import DraftModelProposer
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer

@@ -18,7 +18,7 @@ from bench.loadgen.backends import Backend, GrpcBackend, HttpBackend, RequestRes
 from bench.loadgen.datasets import BenchRequest
 from bench.loadgen.report import Objectives, plot_cdfs, summarize, table, write_json
 from bench.loadgen.runner import run_online
-from common.config import DEFAULT_CACHE_DIR
+from common.engine.config import DEFAULT_CACHE_DIR
 
 BACKENDS = ("grpc", "http", "hf")
 DATASET_DEFAULTS = {  # dataset -> (input_len, output_len)

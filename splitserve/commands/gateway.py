@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common.auth import AuthConfig
-from common.tls import TlsConfig
+from common.serving.auth import AuthConfig
+from common.serving.tls import TlsConfig
 from gateway.config import GatewayConfig
 from splitserve.commands.logs import setup_logging
 

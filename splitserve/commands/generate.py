@@ -7,8 +7,8 @@ import sys
 
 import grpc
 
-from common.auth import AuthConfig, bearer_metadata
-from common.tls import TlsConfig, sync_channel
+from common.serving.auth import AuthConfig, bearer_metadata
+from common.serving.tls import TlsConfig, sync_channel
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 
 

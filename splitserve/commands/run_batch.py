@@ -18,15 +18,15 @@ from typing import Any
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from common.config import EngineConfig
-from common.openai_protocol import (
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import InvalidRequestError
+from common.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_body,
     completion_body,
     error_body,
 )
-from common.sampling_params import InvalidRequestError
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
@@ -152,7 +152,7 @@ class BatchRunner:
                 "error": None}
 
     def _logprobs(self, req, lps: list) -> dict[str, Any]:
-        from common.openai_protocol import chat_logprobs, completion_logprobs
+        from common.text.openai_protocol import chat_logprobs, completion_logprobs
         tok = self.engine.tokenizer
         tokens = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in lps]
         tops = [[tok.decode([t], skip_special_tokens=False) for t, _ in lp.top] for lp in lps]
@@ -162,7 +162,7 @@ class BatchRunner:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.engine import LLMEngine  # torch is imported only when the command runs
+    from common.engine.engine import LLMEngine  # torch is imported only when the command runs
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.input_file == "-":

@@ -8,9 +8,9 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from common.config import EngineConfig
-from common.dataclass_cli import add_dataclass_args, from_dataclass_args
-from common.tls import TlsConfig
+from common.engine.config import EngineConfig
+from common.serving.dataclass_cli import add_dataclass_args, from_dataclass_args
+from common.serving.tls import TlsConfig
 
 C = TypeVar("C")  # the service's config dataclass (PrefillConfig, DecodeConfig)
 

@@ -16,10 +16,10 @@ import subprocess
 import sys
 import time
 
-from common.auth import AuthConfig
-from common.config import EngineConfig
-from common.dataclass_cli import to_argv
-from common.tls import TlsConfig
+from common.engine.config import EngineConfig
+from common.serving.auth import AuthConfig
+from common.serving.dataclass_cli import to_argv
+from common.serving.tls import TlsConfig
 from splitserve.launch import service_argv, start_service, stop_services
 
 START_TIMEOUT_S = 600.0
@@ -131,8 +131,8 @@ def _wait_ready(address: str, num_prefill: int, num_decode: int,
     """Until the gateway answers ModelInfo listing every instance."""
     import grpc
 
-    from common.auth import bearer_metadata
-    from common.tls import sync_channel
+    from common.serving.auth import bearer_metadata
+    from common.serving.tls import sync_channel
     from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
     deadline = time.monotonic() + START_TIMEOUT_S
     with sync_channel(address, tls) as channel:

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 from protos.splitserve.v1 import types_pb2
 from tests.chaos.load import Load
 from tests.cluster import Cluster, wait_until

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.engine_loop import EngineLoop
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
 from common.kv_transport import KVSource
-from common.metrics import SLO, DecodeMetrics, engine_stats
 from common.registry import BlockRegistry, EmbeddedRedis, HandoffState
+from common.serving.engine_loop import EngineLoop
+from common.serving.metrics import SLO, DecodeMetrics, engine_stats
 from decode_service.handoff import HandoffFailed, HandoffPuller
 
 MODEL = "dummy:tiny-llama"

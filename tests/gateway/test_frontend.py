@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling_params import InvalidRequestError
-from common.tokenizer import Tokenizer
+from common.engine.core.sampling_params import InvalidRequestError
+from common.text.tokenizer import Tokenizer
 from gateway.frontend import Frontend
 from protos.splitserve.v1 import generation_pb2, types_pb2
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.proto_convert import FINISH_TO_PB, params_to_pb
-from common.sampling_params import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
+from common.serving.proto_convert import FINISH_TO_PB, params_to_pb
 from gateway.frontend import PreparedRequest
 from gateway.migration import Delivery
 from protos.splitserve.v1 import generation_pb2, types_pb2

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.grpc_util import ServiceError
+from common.serving.grpc_util import ServiceError
 from gateway.resume import ResumableStreams
 from protos.splitserve.v1 import generation_pb2, types_pb2
 

@@ -13,10 +13,10 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.auth import MISSING, WRONG, bearer_metadata
-from common.instance import InstanceConfig
 from common.registry.embedded import free_port
-from common.tls import PLAINTEXT, TlsConfig, sync_channel
+from common.serving.auth import MISSING, WRONG, bearer_metadata
+from common.serving.instance import InstanceConfig
+from common.serving.tls import PLAINTEXT, TlsConfig, sync_channel
 from gateway.config import GatewayConfig
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2_grpc, types_pb2
 from tests.certs import make_ca, make_leaf

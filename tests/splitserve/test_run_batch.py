@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling_params import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 from splitserve.commands.run_batch import BatchRunner
 
 

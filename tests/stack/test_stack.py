@@ -15,10 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 from common.registry.embedded import free_port
-from common.sampling_params import SamplingParams
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.registry import BlockRegistry, EmbeddedRedis
 from common.registry.embedded import free_port
-from common.tls import TlsConfig, sync_channel
+from common.serving.tls import TlsConfig, sync_channel
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from splitserve.launch import service_argv, start_service, stop_services
 from tests.certs import make_ca, make_leaf

@@ -19,7 +19,7 @@ from common.kv_transport import (
 )
 from common.registry import HandoffDescriptor
 from common.registry.embedded import free_port
-from common.tls import PLAINTEXT, TlsConfig, add_port
+from common.serving.tls import PLAINTEXT, TlsConfig, add_port
 from protos.splitserve.v1 import kv_transfer_pb2_grpc
 from tests.certs import Issuer, Leaf, make_ca, make_leaf
 

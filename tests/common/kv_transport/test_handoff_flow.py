@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.block_manager import hash_prefix_blocks
+from common.engine.core.block_manager import hash_prefix_blocks
 from common.kv_transport import KVReceiver, KVSource
 from common.registry import BlockRegistry, EmbeddedRedis, HandoffState
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
 from common.models.ops import REFERENCE_OPS
 from common.models.ops_onednn import (
     OneDnnLinear,
@@ -17,7 +18,6 @@ from common.models.ops_onednn import (
     onednn_ops,
     resolve_cpu_linear,
 )
-from common.sampling_params import SamplingParams
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no usable oneDNN")
 

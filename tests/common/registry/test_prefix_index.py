@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from common.block_manager import hash_prefix_blocks
+from common.engine.core.block_manager import hash_prefix_blocks
 from common.registry import BlockRegistry, InstanceInfo
 
 

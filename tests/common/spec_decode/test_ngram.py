@@ -2,8 +2,8 @@
 
 import random
 
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.core.sequence import Sequence
 from common.spec_decode.ngram import NgramIndex, NgramProposer
 
 

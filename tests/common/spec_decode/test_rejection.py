@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from common.sampler import Sampler, processed_probs
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.core.sequence import Sequence
+from common.engine.sampler import Sampler, processed_probs
 from common.spec_decode.rejection import RejectionSampler
 from tests.common.spec_decode.stats import fits
 

@@ -1,9 +1,9 @@
 """Drafts in the scheduler's arithmetic: budget, blocks, rollback, prefix cache (no torch)."""
 
-from common.block_manager import BlockManager, hash_prefix_blocks
-from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler, SchedulerConfig
-from common.sequence import Sequence
+from common.engine.core.block_manager import BlockManager, hash_prefix_blocks
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.core.scheduler import Scheduler, SchedulerConfig
+from common.engine.core.sequence import Sequence
 
 
 def make(num_blocks=32, block_size=4, budget=64):

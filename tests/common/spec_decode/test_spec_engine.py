@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.model_runner import BatchRow, build_batch
-from common.sampling_params import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
+from common.engine.model_runner import BatchRow, build_batch
 from tests.common.spec_decode.stats import fits
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4 + [5, 6, 7], list(range(20, 60)),
@@ -174,7 +174,7 @@ def test_handoff_decode_side_speculates_from_imported_kv(plain: list[list[int]],
     """The prompt's KV comes from a prefill engine; the draft's prompt KV is computed here."""
     import dataclasses
 
-    from common.engine import Prefilled
+    from common.engine.engine import Prefilled
     prefill, decode = make(), make(**spec)
     for i, prompt in enumerate(PROMPTS):
         first = prefill.generate([prompt], dataclasses.replace(GREEDY, max_tokens=1,

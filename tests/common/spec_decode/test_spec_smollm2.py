@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import LLMEngine, RequestOutput
-from common.sampling_params import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine, RequestOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,0 +1,1 @@
+"""The engine's policy in pure Python: block manager and prefix cache, scheduler, sequences, sampling settings (no torch)."""

@@ -1,0 +1,473 @@
+"""The in-process engine: requests in, streamed tokens out, one scheduler step at a time.
+
+    add_request() -> Scheduler.waiting -> step(): [propose drafts] -> schedule
+                  -> ModelRunner.execute (sample / verify) -> stop checks / detokenize
+                  -> Scheduler.update -> RequestOutput deltas
+
+Not thread-safe: services drive it from a single thread (common/serving/engine_loop.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.core.block_manager import BlockManager
+from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from common.engine.core.sequence import FinishReason, Sequence
+from common.engine.cuda_runner import make_runner
+from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep
+from common.engine.sampler import TokenLogprobs
+from common.models.loader import load_model, resolve_model
+from common.spec_decode.draft_model import kv_bytes_per_block, load_draft_model
+from common.spec_decode.speculator import SpecDecodeCounters, make_speculator
+from common.text.detokenizer import IncrementalDetokenizer, StopChecker
+from common.text.tokenizer import Tokenizer
+
+log = logging.getLogger("splitserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A request whose first token was sampled upstream (by a prefill service). block_ids: the
+    blocks holding the prompt's KV (reserved with reserve_blocks and filled by the transport),
+    or None when the KV could not be brought over and is recomputed here. Either way the first
+    token is an output (stop strings, penalties, seeds, min/max tokens see it)."""
+    block_ids: list[int] | None
+    first_token_id: int
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    # The sequence's own output list and how many of its tokens this output covers: the list
+    # only grows (and only a trailing placeholder past that count changes), so its first
+    # `_num_outputs` entries stay this output's tokens, and no step copies every stream's
+    # whole output (which grew quadratically with the output length).
+    _outputs: list[int]
+    _num_outputs: int
+    held_block_ids: list[int] | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+    text: str = ""  # all output text so far
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every output token so far (a new list each call)."""
+        return self._outputs[:self._num_outputs]
+
+
+@dataclass(slots=True)
+class _Text:
+    """Per-request text state: incremental detokenizer plus stop-string matcher."""
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    raw: str = ""   # everything detokenized so far
+    text: str = ""  # what was emitted (stop strings cut, a possible stop prefix held back)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_cache_allocator: KVAllocator | None = None,
+                 runner_factory: Callable[..., ModelRunner] = make_runner):
+        """runner_factory builds the model runner (default: CUDA graphs on CUDA, the plain runner
+        elsewhere); tests pass a runner class to compare runners on the same device."""
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
+        if self._cuda_index is None and self.device.type == "cuda":
+            self._cuda_index = torch.cuda.current_device()
+            self.device = torch.device("cuda", self._cuda_index)
+        self._use_device()
+        torch.manual_seed(config.seed)
+        if config.cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        cache_dir = config.model_cache_dir
+        self.model, self.model_config = load_model(
+            config.model, dtype=self.dtype, device=self.device, cache_dir=cache_dir)
+        self.tokenizer: Tokenizer | None = None
+        if not config.model.startswith("dummy:"):
+            self.tokenizer = Tokenizer.from_dir(resolve_model(config.model, cache_dir))
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        draft_model = None
+        draft_bytes = 0
+        if config.speculative_method == "draft":  # loaded first: its weights are not KV memory
+            draft_model, draft_mc = load_draft_model(config, mc, self.dtype, self.device)
+            draft_bytes = kv_bytes_per_block(draft_mc, config.block_size, self.dtype)
+        self.runner = runner_factory(self.model, mc, config, self.device, self.dtype,
+                                  kv_cache_allocator, extra_bytes_per_block=draft_bytes)
+        self.speculator = make_speculator(config, self.max_model_len,
+                                          num_blocks=self.runner.num_blocks,
+                                          backend=self.runner.backend, draft_model=draft_model)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            self.block_manager)
+        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.texts: dict[str, _Text] = {}
+        self.held: dict[str, list[int]] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        # Overlap scheduling (see step()); speculation proposes from the real last tokens.
+        self.overlap = self.speculator is None and (
+            config.overlap_scheduling == "on"
+            or (config.overlap_scheduling == "auto" and self.device.type == "cuda"))
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d",
+                 config.model_name, self.device, self.dtype, self.runner.num_blocks,
+                 config.block_size)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def spec_counters(self) -> SpecDecodeCounters:
+        """Speculative decoding totals (all zero when it is off)."""
+        return self.speculator.counters if self.speculator else SpecDecodeCounters()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context length ({self.max_model_len})")
+        needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.config.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {needed} KV blocks; the pool has {self.block_manager.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefilled: Prefilled | None = None, arrival_time: float | None = None,
+                    output_token_ids: Seq[int] = ()) -> None:
+        """output_token_ids: outputs generated and delivered before, elsewhere (a migrated
+        request's continuation). They count as outputs (max/min tokens, stop rules, penalties,
+        seeded draws) and their KV is computed with the prompt's; prefilled's first token
+        follows them, and prefilled.block_ids then hold the KV of the prompt and of them."""
+        if request_id in self.seqs or request_id in self.held:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        self.validate(prompt_token_ids, params)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in output_token_ids):
+            raise InvalidRequestError(f"output token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                       arrival_time=arrival_time or time.monotonic())
+        if self.tokenizer is not None:
+            self.texts[request_id] = _Text(
+                IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                       params.skip_special_tokens),
+                StopChecker(params.stop, params.include_stop_str_in_output))
+        known = list(output_token_ids)
+        if prefilled is not None:
+            if prefilled.block_ids is not None:
+                computed = len(prompt_token_ids) + len(known)
+                if len(prefilled.block_ids) * self.config.block_size < computed:
+                    raise InvalidRequestError("prefilled blocks are too few for the prompt")
+                seq.block_table = list(prefilled.block_ids)
+                seq.num_computed_tokens = computed
+                seq.first_scheduled_time = seq.arrival_time
+            known.append(prefilled.first_token_id)
+        reason = None
+        for token in known:
+            _, reason = self._append(seq, token)
+            if reason is not None:
+                break
+        if prefilled is not None:  # its first token came out upstream
+            seq.first_token_time = seq.arrival_time
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        if reason is not None:  # a known token already ended it: report at the next step
+            self._finish(seq, reason)
+            self._pending.append(self._output(seq, [], "", None, time.monotonic()))
+
+    def abort(self, request_id: str) -> bool:
+        if self.release_held(request_id):
+            return True
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or self._in_flight is not None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- blocks across services -------------------------------------------------------------
+    def reserve_blocks(self, n: int) -> list[int]:
+        return self.block_manager.allocate_blocks(n)
+
+    def reserve_blocks_for_copy(self, n: int) -> tuple[list[int], torch.cuda.Event | None]:
+        """n fresh blocks (reserve_blocks) that work on another stream will write, e.g. a
+        handoff's imported KV, and the event on the engine's stream that work must wait for
+        first: None when it need not wait (always on CPU)."""
+        blocks = self.reserve_blocks(n)
+        if self._cuda_index is None or not self.step_in_flight_may_write_free_blocks():
+            return blocks, None
+        self._use_device()
+        event = torch.cuda.Event()
+        event.record()
+        return blocks, event
+
+    def step_in_flight_may_write_free_blocks(self) -> bool:
+        """Whether the step in flight (overlap scheduling) may still write blocks that are free.
+
+        Between steps only the last launched step can be running (the outputs of the ones before
+        it have been read), and it writes only blocks of its own sequences. Those are free only
+        if their sequence has finished or been aborted since the step was launched (overlap: a
+        sequence ended by the step before still has a wasted row in it). So when none of its
+        sequences has, no free block is written any more, and a copy into freshly reserved
+        blocks need not wait for the step."""
+        return self._in_flight is not None and any(
+            s.seq.is_finished for s in self._in_flight[0].scheduled)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.unref_blocks(block_ids)
+
+    def release_held(self, request_id: str) -> bool:
+        table = self.held.pop(request_id, None)
+        if table is None:
+            return False
+        self.block_manager.free(table)
+        return True
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        self._use_device()
+        return self.runner.export_kv(block_ids)
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self._use_device()
+        self.runner.import_kv(block_ids, kv)
+
+    def _use_device(self) -> None:
+        """Make the engine's GPU the calling thread's current device: Triton launches and CUDA
+        graph replays go to the current device, and each thread has its own (services step the
+        engine on a thread of their own, and pull KV on others)."""
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: schedule, launch on the device, return outputs.
+
+        Synchronous, the step's own outputs come back. With overlap scheduling the previous
+        step is finished (its tokens read, stop rules, outputs) after this one is launched,
+        while the device runs it, so outputs arrive one step() later; until then a sequence
+        that sampled in the step in flight carries a placeholder for that token (see
+        common.engine.model_runner), which the runner reads on the device.
+        """
+        self._use_device()
+        outputs, self._pending = self._pending, []
+        launched = self._launch()
+        if not self.overlap:
+            if launched is not None:
+                outputs += self._finish_step(*launched)
+            return outputs
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            outputs += self._finish_step(*previous)
+        if launched is not None:
+            out, pending = launched
+            self.scheduler.update(out)  # the next schedule() must see this step as computed
+            self._add_placeholders(pending)
+            self._in_flight = launched
+        return outputs
+
+    def _launch(self) -> tuple[SchedulerOutput, PendingStep] | None:
+        draft_probs = self.speculator.propose(self.scheduler.running) if self.speculator else {}
+        out = self.scheduler.schedule()
+        if self.speculator:
+            for seq in out.preempted:
+                self.speculator.forget(seq.request_id)
+        if out.is_empty:
+            return None
+        return out, self.runner.launch(out, draft_probs)
+
+    def _finish_step(self, out: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
+        result = pending.result()
+        if self.speculator:
+            self.speculator.record(result.num_drafts, result.num_accepted)
+        now = time.monotonic()
+        appended = []
+        for seq, tokens, lps in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
+            if seq.is_finished:  # aborted, or (overlap) ended by the step before: a wasted row
+                continue
+            # Token by token: the first one that ends the request discards those after it.
+            new_ids: list[int] = []
+            new_text, reason = "", None
+            for token in tokens:
+                delta, reason = self._append(seq, token)
+                new_ids.append(token)
+                new_text += delta
+                if reason is not None:
+                    break
+            appended.append((seq, new_ids, new_text, lps, reason))
+        if not self.overlap:
+            self.scheduler.update(out)  # after the appends: it counts verified tokens
+        outputs = []
+        for seq, new_ids, new_text, lps, reason in appended:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, new_ids, new_text, lps, now))
+        return outputs
+
+    def _add_placeholders(self, pending: PendingStep) -> None:
+        """Overlap: each sequence that sampled in the step just launched, and may go on, gets a
+        placeholder for that token, so the next schedule() gives it a decode row (penalties
+        read the token on the device). Sequences that hand their blocks off when they end, or
+        that this token surely ends, wait for the real token."""
+        for row, seq in enumerate(pending.seqs):
+            p = seq.params
+            if (seq.is_finished or p.hold_blocks
+                    or seq.num_output_tokens + 1 >= p.max_tokens
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                continue
+            seq.append_token(-1 - row)
+
+    def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
+        """Append a sampled token (or resolve its placeholder); returns (text delta, finish
+        reason or None)."""
+        if seq.token_ids[-1] < 0:
+            seq.resolve_placeholder(token)
+        else:
+            seq.append_token(token)
+        p = seq.params
+        reason = None
+        # The sampler masks EOS and stop ids while fewer than min_tokens are out.
+        if token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids):
+            reason = FinishReason.STOP
+        if reason is None and (seq.num_output_tokens >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        text = self.texts.get(seq.request_id)
+        if text is None:
+            return "", reason
+        delta = text.detok.add([token])
+        if reason is not None:  # release a trailing incomplete character at the end
+            delta += text.detok.flush()
+        text.raw += delta
+        emit, stopped = text.stops.check(text.raw, delta,
+                                         can_stop=seq.num_output_tokens >= p.min_tokens)
+        if stopped:
+            reason = FinishReason.STOP
+        elif reason is not None:
+            emit += text.stops.flush()
+        text.text += emit
+        return emit, reason
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        if seq.params.hold_blocks and reason is not FinishReason.ABORT:
+            self.held[seq.request_id] = seq.block_table
+
+    def _forget(self, request_id: str) -> None:
+        self.texts.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+        if self.speculator:
+            self.speculator.forget(request_id)
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str,
+                logprobs: list | None, now: float) -> RequestOutput:
+        finished = seq.is_finished
+        text = self.texts.get(seq.request_id)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            _outputs=seq.output_token_ids,
+            _num_outputs=seq.num_output_tokens,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
+                                   seq.first_token_time, now if finished else None),
+            held_block_ids=list(self.held[seq.request_id]) if seq.request_id in self.held else None,
+            block_hashes=list(seq.block_hashes[:seq.num_prompt_tokens // self.config.block_size]),
+            logprobs=logprobs,
+            text=text.text if text else "",
+        )
+        if finished:
+            self.seqs.pop(seq.request_id, None)
+            self._forget(seq.request_id)
+        return out
+
+    # ---- convenience ------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (all submitted at once so they batch); final outputs in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.logprobs:
+                    logprobs[o.request_id].extend(o.logprobs)
+                if o.finished:
+                    final[o.request_id] = o
+        for rid in ids:
+            if logprobs[rid]:
+                final[rid].logprobs = logprobs[rid]
+        return [final[rid] for rid in ids]

@@ -1,0 +1,332 @@
+"""Executes a SchedulerOutput: builds the flat batch, runs the model, samples (mechanism only).
+
+The runner makes no policy decision; it turns "compute these tokens of these sequences" into
+tensors, owns the KV pool, and returns for each sequence that caught up one sampled token, after
+the draft tokens the target model accepted when the sequence speculated (verification: logits at
+the last known token and at every draft, then common.spec_decode.rejection).
+
+launch() returns before the device finishes (PendingStep); execute() is launch().result(). With
+overlap scheduling the engine schedules step N+1 while step N runs, before N's tokens are on the
+host: a sequence's last token is then a placeholder, -(1 + i), meaning "row i of the tokens the
+previous launch sampled", and the runner copies it from there on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import psutil
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from common.engine.core.sequence import Sequence
+from common.engine.sampler import DeviceSample, Sampler, TokenLogprobs
+from common.models.attention import AttentionBackend, AttentionMetadata
+from common.models.model_config import ModelConfig
+from common.models.ops_onednn import install_cpu_ops
+from common.spec_decode.rejection import RejectionSampler
+
+KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def default_kv_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Uninitialised: attention never reads a slot past a sequence's end (the reference ops and
+    # kernels mask them), and a large CPU pool then costs memory only where it is used.
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from common.models.attention_triton import TritonAttentionBackend
+        return TritonAttentionBackend()
+    from common.models.attention_torch import TorchAttentionBackend
+    return TorchAttentionBackend()
+
+
+class BatchRow(NamedTuple):
+    token_ids: list[int]  # the tokens computed this step
+    start: int            # position of the first of them (tokens already in the cache before)
+    block_table: list[int]
+
+
+def build_batch(rows: list[BatchRow], block_size: int, device: torch.device,
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids, positions and attention metadata of one flat step. Rows of one token (decodes)
+    must come first: the attention backends rely on it."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    num_decodes = 0
+    max_blocks = max(len(r.block_table) for r in rows)
+    tables: list[list[int]] = []
+    for tokens, start, table in rows:
+        end = start + len(tokens)
+        num_decodes += len(tokens) == 1
+        input_ids.extend(tokens)
+        positions.extend(range(start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(start, end))
+        qsl.append(qsl[-1] + len(tokens))
+        seq_lens.append(end)
+        tables.append(table + [0] * (max_blocks - len(table)))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_query_len=max(len(r.token_ids) for r in rows),
+        max_seq_len=max(seq_lens),
+    )
+    return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device), meta)
+
+
+class StepOutput(NamedTuple):
+    """The sequences that sampled this step (batch order) and what each of them got."""
+    seqs: list[Sequence]
+    token_ids: list[list[int]]  # per sequence: its accepted drafts, then one sampled token
+    logprobs: list[list[TokenLogprobs] | None]  # per sequence, where it asked for them
+    num_drafts: list[int]       # drafts verified per sequence (0: it did not speculate)
+    num_accepted: list[int]     # of which accepted
+
+
+class PendingStep:
+    """A launched step. tokens: the sampled tokens on the device (one per sequence in seqs, the
+    order placeholders refer to), or None for a verification step (its result is final)."""
+
+    def __init__(self, seqs: list[Sequence], sample: DeviceSample | None = None,
+                 done: StepOutput | None = None):
+        self.seqs = seqs
+        self._sample = sample
+        self._done = done
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        return None if self._sample is None else self._sample.tokens
+
+    def result(self) -> StepOutput:
+        """Wait for the device and return the step's output (cached)."""
+        if self._done is None:
+            if self._sample is None:
+                self._done = StepOutput([], [], [], [], [])
+            else:
+                sampled = self._sample.result()
+                n = len(self.seqs)
+                self._done = StepOutput(self.seqs, [[t] for t in sampled.token_ids],
+                                        [None if lp is None else [lp] for lp in sampled.logprobs],
+                                        [0] * n, [0] * n)
+        return self._done
+
+
+def placeholder_rows(items: list[ScheduledSeq]) -> tuple[list[int], list[int]]:
+    """(row in the step's flat batch, row of the previous launch's tokens) of each placeholder.
+    A placeholder is always a decode row's one token, and decode rows come first."""
+    dst: list[int] = []
+    src: list[int] = []
+    for row, s in enumerate(items):
+        if s.num_new_tokens != 1:
+            break
+        token = s.seq.token_ids[s.seq.num_computed_tokens]
+        if token < 0:
+            dst.append(row)
+            src.append(-token - 1)
+    return dst, src
+
+
+class ModelRunner:
+    """`extra_bytes_per_block`: memory per block that another pool of the same number of blocks
+    takes from the same budget (the draft model's KV, see common.spec_decode.draft_model)."""
+
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+                 device: torch.device, dtype: torch.dtype,
+                 kv_cache_allocator: KVAllocator | None = None, *,
+                 extra_bytes_per_block: int = 0):
+        if device.type == "cpu":
+            install_cpu_ops(model, config.cpu_linear)
+        self.model = model
+        self.mc = model_config
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.backend = make_attention_backend(config.attention_backend, device)
+        self.sampler = Sampler()
+        self.verifier = RejectionSampler(self.sampler)
+        self.extra_bytes_per_block = extra_bytes_per_block
+        self.num_blocks = self._pool_size()
+        self.last_tokens: torch.Tensor | None = None  # what placeholders refer to
+        shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
+                 model_config.num_kv_heads, model_config.head_dim)
+        self.kv_cache = (kv_cache_allocator or default_kv_allocator)(shape, dtype, device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        mc = self.mc
+        return (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
+                * torch.empty((), dtype=self.dtype).element_size())
+
+    def _pool_size(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.kv_cache_memory_fraction
+        else:
+            budget = min(self.config.cpu_kv_cache_gib * 2**30,
+                         psutil.virtual_memory().available * self.config.kv_cache_memory_fraction)
+        return max(1, int(budget // (self.bytes_per_block + self.extra_bytes_per_block)))
+
+    # ---- one step -----------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor,
+                                                      torch.Tensor, AttentionMetadata]:
+        """Order decodes first (the attention backends rely on it) and build the flat batch;
+        a speculating sequence's rows are its known tokens followed by its drafts."""
+        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        rows = []
+        for s in items:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            known = seq.token_ids[start:start + s.num_new_tokens - len(s.spec_token_ids)]
+            rows.append(BatchRow(known + s.spec_token_ids, start, seq.block_table))
+        dst, src = placeholder_rows(items)
+        for row in dst:
+            rows[row] = rows[row]._replace(token_ids=[0])
+        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
+        if dst:
+            self._fill_placeholders(input_ids, torch.tensor(dst, device=self.device),
+                                    torch.tensor(src, device=self.device))
+        return items, input_ids, positions, meta
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, dst: torch.Tensor,
+                           src: torch.Tensor) -> None:
+        if self.last_tokens is None:
+            raise RuntimeError("a placeholder token, but the previous step sampled none")
+        input_ids.index_copy_(0, dst, self.last_tokens.index_select(0, src))
+
+    def execute(self, out: SchedulerOutput,
+                draft_probs: Mapping[str, torch.Tensor] | None = None) -> StepOutput:
+        """Run one step. draft_probs: request id -> [num drafts proposed, vocab], the proposal
+        distribution of each draft token, for drafts that were sampled (absent: deterministic)."""
+        return self.launch(out, draft_probs).result()
+
+    def launch(self, out: SchedulerOutput,
+               draft_probs: Mapping[str, torch.Tensor] | None = None) -> PendingStep:
+        """execute() without waiting for the device."""
+        step = self._launch(out, draft_probs)
+        self.last_tokens = step.tokens
+        return step
+
+    @torch.inference_mode()
+    def _launch(self, out: SchedulerOutput,
+                draft_probs: Mapping[str, torch.Tensor] | None) -> PendingStep:
+        items, input_ids, positions, meta = self.prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        sampling = [s for s in items if s.samples]
+        if not sampling:
+            return PendingStep([])
+        # Logits rows: the last token of each sampling sequence, preceded by its drafts' rows.
+        rows: list[int] = []
+        end = 0
+        for s in items:
+            end += s.num_new_tokens
+            if s.samples:
+                rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[idx] if len(rows) < end else hidden)
+        seqs = [s.seq for s in sampling]
+        if not any(s.spec_token_ids for s in sampling):
+            return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
+        return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs or {}))
+
+    def _verify(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
+                draft_probs: Mapping[str, torch.Tensor]) -> StepOutput:
+        """Sequences without drafts go through the plain sampler, the others through the
+        rejection sampler; logits holds 1 + len(drafts) rows per sequence, in order."""
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        offset = 0
+        for s in sampling:
+            n = 1 + len(s.spec_token_ids)
+            (spec_rows if s.spec_token_ids else plain_rows).extend(range(offset, offset + n))
+            offset += n
+        n = len(sampling)
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * n
+        num_drafts, num_accepted = [0] * n, [0] * n
+        plain = [i for i, s in enumerate(sampling) if not s.spec_token_ids]
+        if plain:
+            rows = torch.tensor(plain_rows, dtype=torch.int64, device=self.device)
+            sampled = self.sampler(logits[rows], [sampling[i].seq for i in plain])
+            for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
+                token_ids[i] = [t]
+                logprobs[i] = None if lp is None else [lp]
+        spec = [i for i, s in enumerate(sampling) if s.spec_token_ids]
+        drafts = [sampling[i].spec_token_ids for i in spec]
+        probs = [draft_probs.get(sampling[i].seq.request_id) for i in spec]
+        rows = torch.tensor(spec_rows, dtype=torch.int64, device=self.device)
+        verified = self.verifier(logits[rows], [sampling[i].seq for i in spec], drafts,
+                                 [None if q is None else q[:len(d)]
+                                  for q, d in zip(probs, drafts, strict=True)])
+        for i, d, tokens, a in zip(spec, drafts, verified.token_ids, verified.num_accepted,
+                                   strict=True):
+            token_ids[i], num_drafts[i], num_accepted[i] = tokens, len(d), a
+        return StepOutput([s.seq for s in sampling], token_ids, logprobs, num_drafts,
+                          num_accepted)
+
+    # ---- KV blocks in and out (handoff) -------------------------------------------------------
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        return gather_blocks(self.kv_cache, block_ids, use_kernel=self.device.type == "cuda")
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Writes kv, shaped as export_kv returns it, into the blocks."""
+        scatter_blocks(self.kv_cache, block_ids, kv, use_kernel=self.device.type == "cuda")
+
+
+def gather_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+                  block_ids: list[int], *, use_kernel: bool,
+                  ) -> torch.Tensor:   # [layers, 2, len(block_ids), block_size, kv_heads, head_dim]
+    """pool[:, :, block_ids] as a new tensor. use_kernel: through kernels.block_copy, the CUDA
+    path (index_select on dim 2 ran at 15% of copy bandwidth on the H200, the kernel at 94%);
+    otherwise index_select, the CPU path."""
+    if not use_kernel:
+        _check_block_ids(block_ids, pool)
+        return pool.index_select(2, torch.tensor(block_ids, dtype=torch.int64,
+                                                 device=pool.device))
+    from kernels.block_copy import copy_listed_blocks
+    out = pool.new_empty((*pool.shape[:2], len(block_ids), *pool.shape[3:]))
+    copy_listed_blocks(pool, out, block_ids, range(len(block_ids)), block_dim=2)
+    return out
+
+
+def scatter_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+                   block_ids: list[int],  # distinct
+                   kv: torch.Tensor,  # [layers, 2, len(block_ids), block_size, kv_heads, head_dim]
+                   *, use_kernel: bool) -> None:
+    """pool[:, :, block_ids] = kv (converted to the pool's device and dtype); use_kernel as in
+    gather_blocks."""
+    kv = kv.to(device=pool.device, dtype=pool.dtype)
+    if not use_kernel:
+        _check_block_ids(block_ids, pool)
+        pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64, device=pool.device), kv)
+        return
+    from kernels.block_copy import copy_listed_blocks
+    want = (*pool.shape[:2], len(block_ids), *pool.shape[3:])
+    if tuple(kv.shape) != want:
+        raise ValueError(f"kv {tuple(kv.shape)} does not hold {len(block_ids)} blocks of the pool "
+                         f"{tuple(pool.shape)}")
+    copy_listed_blocks(kv.contiguous(), pool, range(len(block_ids)), block_ids, block_dim=2)
+
+
+def _check_block_ids(block_ids: list[int], pool: torch.Tensor) -> None:
+    """On the host: on CUDA index_select would fail later, asynchronously, with a device-side
+    assert that poisons the process's context."""
+    if block_ids and not 0 <= min(block_ids) <= max(block_ids) < pool.shape[2]:
+        raise IndexError(f"block ids outside [0, {pool.shape[2]})")

@@ -1,0 +1,1 @@
+"""Serving plumbing shared by the services: gRPC utilities and the error interceptor, TLS, API keys, metrics, proto conversion, the dataclass CLI, the engine's service thread and one running instance (no torch)."""
