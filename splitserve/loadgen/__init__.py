@@ -1,5 +1,6 @@
 """`splitserve bench`: a load generator for the gateway's gRPC and HTTP APIs, with HF transformers
-on the same workload for side-by-side ratios.
+on the same workload for side-by-side ratios. Its HTTP client and plots need the `bench` extra
+(`pip install 'splitserve[bench]'`); `datasets` needs only the standard library.
 
     datasets   workloads as token ids: random lengths, shared system prompt, ShareGPT-like lengths
     backends   one streamed request over gRPC or HTTP, timed piece by piece

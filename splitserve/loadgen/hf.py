@@ -18,8 +18,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LogitsProcessor
 
-from bench.loadgen.backends import RequestResult
-from bench.loadgen.datasets import BenchRequest
+from splitserve.loadgen.backends import RequestResult
+from splitserve.loadgen.datasets import BenchRequest
 
 
 class _StepClock(LogitsProcessor):

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.loadgen.backends import RequestResult
+from splitserve.loadgen.backends import RequestResult
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "itl", "tpot", "e2e")

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import grpc
 import httpx2
 
-from bench.loadgen.datasets import BenchRequest
 from common.serving.grpc_util import insecure_channel
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from splitserve.loadgen.datasets import BenchRequest
 
 
 @dataclass(slots=True)

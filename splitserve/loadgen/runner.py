@@ -12,8 +12,8 @@ import time
 
 from tqdm import tqdm
 
-from bench.loadgen.backends import Backend, RequestResult
-from bench.loadgen.datasets import BenchRequest
+from splitserve.loadgen.backends import Backend, RequestResult
+from splitserve.loadgen.datasets import BenchRequest
 
 
 async def run_online(backend: Backend, requests: list[BenchRequest], request_rate: float,
