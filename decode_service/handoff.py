@@ -17,7 +17,8 @@ from typing import Any
 
 import redis
 
-from common.kv_transport import KVReceiver, TransferError
+from common.errors import TransferError
+from common.kv_transport import KVReceiver
 from common.registry import BlockRegistry
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import DecodeMetrics

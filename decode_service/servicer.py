@@ -16,8 +16,8 @@ import grpc
 
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import Prefilled
+from common.errors import InvalidRequestError
 from common.serving.engine_loop import AsyncOutputStream
-from common.serving.grpc_util import ServiceError
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics, StreamTimer
 from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
@@ -37,7 +37,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
         rid = request.request_id
         if not rid:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+            raise InvalidRequestError("request_id must not be empty")
         params = params_from_pb(request.params)
         prompt = list(request.prompt_token_ids)
         loop = self.instance.loop

@@ -9,7 +9,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.engine.core.sampling_params import SamplingParams
+from common.errors import InvalidRequestError
 from common.serving.proto_convert import params_from_pb
 from common.text.tokenizer import Tokenizer
 from protos.splitserve.v1 import generation_pb2, types_pb2

@@ -5,7 +5,8 @@ admission, Frontend.prepare, Relay.run); this module only translates. The prompt
 first with Frontend.tokenize and sent as token ids, so usage and `return_token_ids` know them and
 chat requests get vLLM's default max_tokens (what is left of the context). Pieces of the stream
 become SSE chunks (`data: {...}`, then `data: [DONE]`) or one response body; exceptions become
-OpenAI's error shape with the HTTP status of the gRPC status they map to (grpc_util.status_of).
+OpenAI's error shape: a domain error (common/errors.py) with its `http_status`, any other with the
+HTTP status of the gRPC status grpc_util.status_of gives it (an internal call's, a timeout's).
 
 A client that disconnects cancels its request, which the relay then aborts on every service.
 """
@@ -19,11 +20,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from common.errors import SplitserveError, http_status_of
 from common.serving.grpc_util import status_of
 from common.serving.proto_convert import FINISH_FROM_PB, params_to_pb
 from common.text.openai_protocol import (
@@ -50,18 +51,16 @@ GenerateFn = Callable[[generation_pb2.GenerateRequest, float | None],
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
                429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable_error",
                504: "timeout_error"}
 
 
 class HttpError(Exception):
+    """An HTTP error response: OpenAI's error body (with the offending `param`) and its status.
+    Raised for what only HTTP can get wrong (the body, the model name); `of` turns any other
+    exception into one."""
+
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status = status
@@ -73,7 +72,8 @@ class HttpError(Exception):
         if isinstance(exc, HttpError):
             return exc
         code, details = status_of(exc)
-        return cls(HTTP_STATUS.get(code, 500), details)
+        status = exc.http_status if isinstance(exc, SplitserveError) else http_status_of(code.name)
+        return cls(status, details)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, ERROR_TYPES.get(self.status, "internal_error"),
@@ -149,7 +149,7 @@ class OpenAIApi:
             return JSONResponse(self._body(req, request.request_id, ids, pieces))
         except ClientDisconnected:
             return Response(status_code=499)
-        except Exception as exc:  # InvalidRequestError, ServiceError, AioRpcError, ...
+        except Exception as exc:  # a SplitserveError, an internal call's AioRpcError, ...
             return HttpError.of(exc).response()
 
     def _token(self, token_id: int) -> str:

@@ -34,8 +34,8 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.errors import SplitserveError, UnavailableError
 from common.registry import InstanceInfo
-from common.serving.grpc_util import ServiceError
 from common.serving.proto_convert import ms
 from common.serving.tls import TlsConfig, aio_channel
 from common.text.detokenizer import Decoder
@@ -187,7 +187,7 @@ class Migrator:
                         if delivery.finished:
                             return
                 return
-            except (grpc.aio.AioRpcError, ServiceError, redis.RedisError) as exc:
+            except (grpc.aio.AioRpcError, SplitserveError, redis.RedisError) as exc:
                 if handle.aborted or not _retryable(exc):
                     raise
                 failures += 1
@@ -256,8 +256,8 @@ class Migrator:
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, redis.RedisError):
         return True
-    if isinstance(exc, ServiceError):
-        return exc.code is grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, SplitserveError):
+        return exc.grpc_status == "UNAVAILABLE"
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNAVAILABLE
 
 
@@ -267,10 +267,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _unavailable(exc: BaseException, why: str) -> ServiceError:
-    if isinstance(exc, ServiceError):
+def _unavailable(exc: BaseException, why: str) -> SplitserveError:
+    if isinstance(exc, SplitserveError):
         return exc  # already says what is missing ("no decode instance is registered")
     if isinstance(exc, redis.RedisError):
-        return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                            f"the block registry is unreachable ({exc}); {why}")
-    return ServiceError(grpc.StatusCode.UNAVAILABLE, f"{_describe(exc)}; {why}")
+        return UnavailableError(f"the block registry is unreachable ({exc}); {why}")
+    return UnavailableError(f"{_describe(exc)}; {why}")

@@ -22,22 +22,18 @@ import grpc
 import redis
 
 from common.engine.core.block_manager import hash_prefix_blocks
+from common.errors import ClientAborted, DeadlineExceededError, ServiceError
 from common.registry import BlockRegistry, InstanceInfo
-from common.serving.grpc_util import ServiceError
 from common.serving.proto_convert import ms
 from gateway.config import GatewayConfig
 from gateway.frontend import PreparedRequest
 from gateway.instances import Instances
-from gateway.router import NoInstanceError, Router
+from gateway.router import Router
 from protos.splitserve.v1 import decode_pb2, generation_pb2, prefill_pb2, types_pb2
 
 log = logging.getLogger("splitserve.gateway.relay")
 
 ABORT_TIMEOUT_S = 2.0
-
-
-class RequestAbortedError(Exception):
-    """Abort() was called for the request."""
 
 
 @dataclass(slots=True)
@@ -57,7 +53,7 @@ class Inflight:
 
     def check(self) -> None:
         if self.aborted:
-            raise RequestAbortedError(self.request_id)
+            raise ClientAborted(f"request {self.request_id!r} was aborted by its client")
 
 
 @dataclass(slots=True)
@@ -112,7 +108,7 @@ class Relay:
             st.timings.decode_instance = decode.instance_id
             async for msg in self._decode_stage(req, handle, decode, source, deadline, st):
                 yield msg
-        except (asyncio.CancelledError, RequestAbortedError):
+        except (asyncio.CancelledError, ClientAborted):
             # Abort() cancelled our internal calls: end the stream with an abort message. The
             # client cancelling its own call cancels this task instead: let that through.
             current = asyncio.current_task()
@@ -185,11 +181,8 @@ class Relay:
                     logprobs=msg.logprobs)
 
     async def _pick_decode(self, prompt: list[int], max_tokens: int) -> InstanceInfo:
-        try:
-            return self.router.pick_decode(await self.instances.get("decode"),
-                                           len(prompt) + max_tokens)
-        except NoInstanceError as e:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        return self.router.pick_decode(await self.instances.get("decode"),
+                                       len(prompt) + max_tokens)
 
     async def _pick_prefill(self, prompt: list[int]) -> InstanceInfo:
         instances = await self.instances.get("prefill")
@@ -202,10 +195,7 @@ class Relay:
                     cached = await asyncio.to_thread(self.registry.match_prefix, ids, hashes)
                 except redis.RedisError as e:  # route on load alone while Redis is away
                     log.warning("prefix lookup failed, routing on load: %s", e)
-        try:
-            return self.router.pick_prefill(instances, cached)
-        except NoInstanceError as e:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        return self.router.pick_prefill(instances, cached)
 
     async def _prefill(self, req: PreparedRequest, handle: Inflight, prefill: InstanceInfo,
                        decode: InstanceInfo, deadline: float,
@@ -266,5 +256,5 @@ async def _call_quietly(method, request) -> None:
 def _remaining(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError("the request's deadline passed")
+        raise DeadlineExceededError("the request's deadline passed")
     return left

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.serving.grpc_util import ServiceError
+from common.errors import InvalidRequestError, RequestCancelledError, ServiceError
 from protos.splitserve.v1 import generation_pb2
 
 log = logging.getLogger("splitserve.gateway.resume")
@@ -53,8 +53,7 @@ class StreamLog:
             if start >= num_tokens_received:
                 return i
             if start + len(self.messages[i].token_ids) > num_tokens_received:
-                raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                raise InvalidRequestError(
                     f"resume point {num_tokens_received} falls inside a message (tokens "
                     f"{start}..{start + len(self.messages[i].token_ids) - 1}); resume from the "
                     "number of tokens in the messages received whole")
@@ -90,7 +89,7 @@ class ResumableStreams:
     async def follow(self, request_id: str, num_tokens_received: int = 0,
                      ) -> AsyncIterator[Message]:
         """The messages after the first num_tokens_received tokens, live until the end; raises
-        what the request ended with (a ServiceError, an internal call's error)."""
+        what the request ended with (a SplitserveError, an internal call's error)."""
         entry = self._logs.get(request_id)
         if entry is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
@@ -128,9 +127,9 @@ class ResumableStreams:
                     entry.num_tokens += len(msg.token_ids)
                     entry.changed.notify_all()
         except asyncio.CancelledError:
-            entry.error = ServiceError(grpc.StatusCode.CANCELLED,
-                                       f"request {entry.request_id!r} was cancelled: no client "
-                                       f"reattached within {self.retention_s:.0f} s")
+            entry.error = RequestCancelledError(
+                f"request {entry.request_id!r} was cancelled: no client reattached within "
+                f"{self.retention_s:.0f} s")
         except Exception as exc:  # handed to every follower
             entry.error = exc
         finally:

@@ -19,11 +19,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from common.errors import NoInstanceError
 from common.registry.records import InstanceInfo
-
-
-class NoInstanceError(LookupError):
-    """No live instance of the needed kind (the gateway answers UNAVAILABLE)."""
 
 
 @dataclass(frozen=True, slots=True)

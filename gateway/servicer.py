@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.serving.grpc_util import ServiceError, status_of
+from common.errors import InvalidRequestError, OverloadedError, ServiceError
+from common.serving.grpc_util import status_of
 from common.serving.metrics import GatewayMetrics, StreamTimer
 from common.serving.proto_convert import FINISH_FROM_PB
 from gateway.config import GatewayConfig
@@ -59,8 +60,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not request.resumable:
             return self.stream(request, context.time_remaining())
         if not request.request_id:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "a resumable request needs a request_id to reconnect with")
+            raise InvalidRequestError("a resumable request needs a request_id to reconnect with")
         self.resumable.open(request.request_id, self.stream(request, context.time_remaining()))
         return self.resumable.follow(request.request_id)
 
@@ -89,9 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                       timeout_s: float | None,
                       ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         if len(self.inflight) >= self.config.max_inflight:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the gateway is serving its limit of {self.config.max_inflight} "
-                               "requests; retry later")
+            raise OverloadedError(f"the gateway is serving its limit of "
+                                  f"{self.config.max_inflight} requests; retry later")
         req = self.frontend.prepare(request)
         if req.request_id in self.inflight:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.errors import InvalidRequestError
 from common.kv_transport import KVSource
 from common.serving.engine_loop import AsyncOutputStream
-from common.serving.grpc_util import ServiceError
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
 from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
@@ -44,7 +44,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                       ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         rid = request.request_id
         if not rid:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+            raise InvalidRequestError("request_id must not be empty")
         params = params_from_pb(request.params)
         prompt = list(request.prompt_token_ids)
         carried = list(request.output_token_ids)  # a migrated request's delivered tokens
@@ -59,8 +59,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             async for out in stream:
                 final = out
             if len(final.output_token_ids) == len(carried):
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   "the request's delivered tokens already end it")
+                raise InvalidRequestError("the request's delivered tokens already end it")
             ends = final.finish_reason == "stop" or params.max_tokens == len(carried) + 1
             m = final.metrics
             self.metrics.observe_prefilled(m)

@@ -19,12 +19,13 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.core.block_manager import BlockManager
-from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.engine.core.sampling_params import SamplingParams
 from common.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.core.sequence import FinishReason, Sequence
 from common.engine.cuda_runner import make_runner
 from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep
 from common.engine.sampler import TokenLogprobs
+from common.errors import InvalidRequestError
 from common.models.loader import load_model, resolve_model
 from common.spec_decode.draft_model import kv_bytes_per_block, load_draft_model
 from common.spec_decode.speculator import SpecDecodeCounters, make_speculator

@@ -4,7 +4,7 @@ local (same process), shm (same host, CPU), cuda_ipc (same host, GPU), grpc (any
 source offers all it can (KVSource), the receiver picks by locality (KVReceiver).
 """
 
-from common.kv_transport.base import KVTransport, TransferError
+from common.kv_transport.base import KVTransport
 from common.kv_transport.blocks import KV_LAYOUT, copy_blocks
 from common.kv_transport.checksum import kv_checksum
 from common.kv_transport.grpc_transport import GrpcTransport, KVTransferServicer
@@ -14,5 +14,5 @@ from common.kv_transport.shm import SharedMemoryPool
 from common.kv_transport.source import KVSource
 
 __all__ = ["KV_LAYOUT", "GrpcTransport", "KVReceiver", "KVSource", "KVTransferServicer",
-           "KVTransport", "SharedMemoryPool", "TransferError", "copy_blocks", "host_id",
-           "kv_checksum", "make_transport", "process_id", "select_transport"]
+           "KVTransport", "SharedMemoryPool", "copy_blocks", "host_id", "kv_checksum",
+           "make_transport", "process_id", "select_transport"]

@@ -23,13 +23,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from common.errors import TransferError
 from common.kv_transport.blocks import KV_LAYOUT, dtype_name, transfer_stream
 from common.kv_transport.checksum import kv_checksum
 from common.registry.records import HandoffDescriptor
-
-
-class TransferError(RuntimeError):
-    """A KV pull failed; the receiver's reserved blocks hold garbage (the caller frees them)."""
 
 
 def check_geometry(desc: HandoffDescriptor, dst_pool: torch.Tensor,

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from common.kv_transport.base import KVTransport, TransferError, check_source
+from common.errors import TransferError
+from common.kv_transport.base import KVTransport, check_source
 from common.kv_transport.blocks import check_pool, copy_blocks, dtype_from_name, dtype_name
 from common.registry.records import HandoffDescriptor
 

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from common.kv_transport.base import KVTransport, TransferError
+from common.errors import TransferError
+from common.kv_transport.base import KVTransport
 from common.kv_transport.blocks import copy_blocks, dtype_from_name, dtype_name
 from common.registry.records import HandoffDescriptor
 from common.serving.tls import PLAINTEXT, TlsConfig, sync_channel

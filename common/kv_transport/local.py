@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from common.kv_transport.base import KVTransport, TransferError, check_source
+from common.errors import TransferError
+from common.kv_transport.base import KVTransport, check_source
 from common.kv_transport.blocks import check_pool, copy_blocks
 from common.kv_transport.locality import process_id
 from common.registry.records import HandoffDescriptor

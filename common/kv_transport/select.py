@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from common.kv_transport.base import KVTransport, TransferError
+from common.errors import TransferError
+from common.kv_transport.base import KVTransport
 from common.kv_transport.cuda_ipc import CudaIpcTransport
 from common.kv_transport.grpc_transport import GrpcTransport
 from common.kv_transport.local import LocalTransport

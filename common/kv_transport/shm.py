@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from common.kv_transport.base import KVTransport, TransferError, check_source
+from common.errors import TransferError
+from common.kv_transport.base import KVTransport, check_source
 from common.kv_transport.blocks import copy_blocks, dtype_from_name, dtype_name
 from common.registry.records import HandoffDescriptor
 

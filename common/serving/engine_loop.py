@@ -8,7 +8,8 @@ condition when there is nothing to do (no polling).
 Each request has a sink, called on the loop's thread with every RequestOutput of the request,
 then never again once one is `finished`. A request that ends without a final output (aborted
 through this loop, the loop stopping, or an engine error) gets one exception instead:
-RequestAborted or the error. `AsyncOutputStream` is a sink that hands items to an asyncio loop.
+EngineDroppedRequest or the error. `AsyncOutputStream` is a sink that hands items to an asyncio
+loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.engine.core.sampling_params import SamplingParams
+from common.errors import EngineDroppedRequest, EngineLoopStopped
 
 if TYPE_CHECKING:
     from common.engine.engine import LLMEngine, Prefilled, RequestOutput
@@ -29,14 +31,6 @@ log = logging.getLogger("splitserve.engine_loop")
 
 T = TypeVar("T")
 Sink = Callable[["RequestOutput | BaseException"], None]
-
-
-class RequestAborted(Exception):
-    """The request was aborted (by abort() or because the loop stopped)."""
-
-
-class EngineLoopStopped(RuntimeError):
-    """A command was submitted after stop()."""
 
 
 class EngineLoop:
@@ -55,7 +49,7 @@ class EngineLoop:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort every request (their sinks get RequestAborted) and join the thread."""
+        """Abort every request (their sinks get EngineDroppedRequest) and join the thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -107,13 +101,14 @@ class EngineLoop:
         return self.call(add)
 
     def abort(self, request_id: str) -> Future[bool]:
-        """Abort a request (or release its handoff hold); its sink, if any, gets RequestAborted."""
+        """Abort a request (or release its handoff hold); its sink, if any, gets
+        EngineDroppedRequest."""
 
         def abort(engine: LLMEngine) -> bool:
             found = engine.abort(request_id)
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
-                sink(RequestAborted(request_id))
+                sink(EngineDroppedRequest(f"request {request_id!r} was aborted"))
             return found or sink is not None
 
         return self.call(abort)
@@ -132,7 +127,8 @@ class EngineLoop:
             for command in commands:
                 command()
             if stopping:
-                self._abort_all(RequestAborted)
+                self._abort_all(lambda rid: EngineDroppedRequest(
+                    f"request {rid!r} was dropped: the engine loop stopped"))
                 return
             if commands:
                 idle = False
@@ -172,7 +168,7 @@ class AsyncOutputStream:
     """A sink that carries one request's outputs to an asyncio loop; iterate with `async for`.
 
     Create it on the loop that will read it. Iteration ends after the finished output and raises
-    the exception a request ends with (RequestAborted, an engine error).
+    the exception a request ends with (EngineDroppedRequest, an engine error).
     """
 
     def __init__(self) -> None:

@@ -1,9 +1,10 @@
 """gRPC plumbing shared by every service: server construction (health checking and reflection),
 the one place that maps exceptions to status codes, and graceful shutdown on SIGINT/SIGTERM.
 
-Servicers stay thin: they raise InvalidRequestError, NoFreeBlocksError, ServiceError or let an
-internal call's AioRpcError through, and ErrorInterceptor turns that into the status the client
-sees. Imports no torch (the gateway uses it).
+Servicers stay thin: they raise a domain error (common/errors.py: each class carries its gRPC
+status, a ServiceError the one it was raised with) or let an internal call's AioRpcError
+through, and ErrorInterceptor turns that into the status the client sees (`status_of`). Imports
+no torch and no engine module (the gateway uses it).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from common.engine.core.block_manager import NoFreeBlocksError
-from common.engine.core.sampling_params import InvalidRequestError
+from common.errors import SplitserveError
 from common.serving.tls import PLAINTEXT, TlsConfig, add_port, aio_channel
 
 log = logging.getLogger("splitserve.grpc")
@@ -48,23 +48,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class ServiceError(Exception):
-    """An error with the status code the caller should see."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for an exception raised by a servicer."""
-    if isinstance(exc, ServiceError):
-        return exc.code, exc.details
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, NoFreeBlocksError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, SplitserveError):
+        return grpc.StatusCode[exc.grpc_status], exc.message or exc.grpc_status
     if isinstance(exc, grpc.aio.AioRpcError):  # an internal call failed: pass its status on
         return exc.code(), exc.details() or exc.code().name
     if isinstance(exc, TimeoutError):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.engine.core.sampling_params import SamplingParams
+from common.errors import InvalidRequestError
 from protos.splitserve.v1 import types_pb2
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.engine.core.sampling_params import SamplingParams
+from common.errors import InvalidRequestError
 
 
 class StreamOptions(BaseModel):

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from common.engine.config import EngineConfig
-from common.engine.core.sampling_params import InvalidRequestError
+from common.errors import InvalidRequestError
 from common.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,

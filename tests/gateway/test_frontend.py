@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.core.sampling_params import InvalidRequestError
+from common.errors import InvalidRequestError
 from common.text.tokenizer import Tokenizer
 from gateway.frontend import Frontend
 from protos.splitserve.v1 import generation_pb2, types_pb2

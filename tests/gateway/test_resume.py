@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.serving.grpc_util import ServiceError
+from common.errors import ServiceError, SplitserveError
 from gateway.resume import ResumableStreams
 from protos.splitserve.v1 import generation_pb2, types_pb2
 
@@ -100,12 +100,12 @@ def test_bad_resume_points_and_unknown_ids():
                  ("r", 7, grpc.StatusCode.OUT_OF_RANGE, "has produced 6 tokens so far, not 7"),
                  ("nope", 0, grpc.StatusCode.NOT_FOUND, "no resumable request 'nope'")]
         for rid, n, code, text in cases:
-            with pytest.raises(ServiceError) as err:
+            with pytest.raises(SplitserveError) as err:
                 await anext(streams.follow(rid, n))
-            assert err.value.code == code and text in err.value.details
+            assert err.value.grpc_status == code.name and text in err.value.message
         with pytest.raises(ServiceError) as err:
             streams.open("r", Source([]).run())
-        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert err.value.grpc_status == "ALREADY_EXISTS"
         await streams.close()
 
     asyncio.run(main())
@@ -143,7 +143,7 @@ def test_a_request_nobody_reattaches_to_is_cancelled_then_forgotten():
         assert "r" not in streams and source.closed_early and streams.abandoned == 1
         with pytest.raises(ServiceError) as err:
             await anext(streams.follow("r"))
-        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert err.value.grpc_status == "NOT_FOUND"
         # A finished stream is also dropped once its window has passed.
         done = Source(messages())
         streams.open("d", done.run())

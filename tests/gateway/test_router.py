@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.errors import NoInstanceError
 from common.registry import InstanceInfo
-from gateway.router import NoInstanceError, Router, RouterConfig
+from gateway.router import Router, RouterConfig
 
 
 def info(iid: str, kind: str = "prefill", *, running: int = 0, waiting: int = 0,

@@ -22,6 +22,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NewType
 
+from common.errors import NoFreeBlocksError
+
 BlockHash = NewType("BlockHash", int)
 
 
@@ -58,10 +60,6 @@ def hash_prefix_blocks(token_ids: Seq[int], block_size: int, extra_keys: tuple =
         parent = _hash_bytes(parent, data[start:start + step], extra)
         hashes.append(parent)
     return hashes
-
-
-class NoFreeBlocksError(RuntimeError):
-    """The pool cannot satisfy an allocation (callers preempt or queue instead)."""
 
 
 @dataclass(slots=True)

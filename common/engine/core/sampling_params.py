@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; services map it to INVALID_ARGUMENT / HTTP 400."""
+from common.errors import InvalidRequestError
 
 
 @dataclass(slots=True)

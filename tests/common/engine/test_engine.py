@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.errors import InvalidRequestError
 
 NEW_TOKENS = 64
 HF_BATCH = 4

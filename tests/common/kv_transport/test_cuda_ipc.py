@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.kv_transport import KVReceiver, TransferError, copy_blocks, kv_checksum
+from common.errors import TransferError
+from common.kv_transport import KVReceiver, copy_blocks, kv_checksum
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -10,13 +10,8 @@ import grpc
 import pytest
 import torch
 
-from common.kv_transport import (
-    GrpcTransport,
-    KVReceiver,
-    KVSource,
-    KVTransferServicer,
-    TransferError,
-)
+from common.errors import TransferError
+from common.kv_transport import GrpcTransport, KVReceiver, KVSource, KVTransferServicer
 from common.registry import HandoffDescriptor
 from common.registry.embedded import free_port
 from common.serving.tls import PLAINTEXT, TlsConfig, add_port

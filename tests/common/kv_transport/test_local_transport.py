@@ -6,11 +6,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from common.errors import TransferError
 from common.kv_transport import (
     KV_LAYOUT,
     KVReceiver,
     KVSource,
-    TransferError,
     host_id,
     kv_checksum,
     make_transport,

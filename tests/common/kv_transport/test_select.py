@@ -4,7 +4,8 @@ from typing import Any
 
 import pytest
 
-from common.kv_transport import KV_LAYOUT, TransferError, process_id, select_transport
+from common.errors import TransferError
+from common.kv_transport import KV_LAYOUT, process_id, select_transport
 from common.registry import HandoffDescriptor
 
 HERE = "host-a"

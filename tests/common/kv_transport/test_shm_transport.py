@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.kv_transport import KVReceiver, SharedMemoryPool, TransferError, make_transport
+from common.errors import TransferError
+from common.kv_transport import KVReceiver, SharedMemoryPool, make_transport
 
 SHAPE = [2, 2, 12, 4, 2, 8]  # layers, kv, blocks, block_size, kv_heads, head_dim
 

@@ -11,14 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from common.engine.config import EngineConfig
-from common.engine.core.sampling_params import InvalidRequestError, SamplingParams
+from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
-from common.serving.engine_loop import (
-    AsyncOutputStream,
-    EngineLoop,
-    EngineLoopStopped,
-    RequestAborted,
-)
+from common.errors import EngineDroppedRequest, EngineLoopStopped, InvalidRequestError
+from common.serving.engine_loop import AsyncOutputStream, EngineLoop
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -97,7 +93,7 @@ def test_abort_ends_the_stream_and_frees_blocks(loop, prompts):
     assert not isinstance(sink.get(timeout=10), BaseException)  # it runs
     assert loop.abort("long").result(timeout=10) is True
     items = drain(sink)
-    assert isinstance(items[-1], RequestAborted)
+    assert isinstance(items[-1], EngineDroppedRequest)
     assert loop.call(lambda e: e.block_manager.num_used_blocks).result(timeout=10) == 0
     assert loop.abort("long").result(timeout=10) is False
 
@@ -128,7 +124,7 @@ def test_stop_aborts_what_is_in_flight(engine, prompts):
     loop.submit("s", prompts[1], long, sink.put).result(timeout=10)
     sink.get(timeout=10)
     loop.stop()
-    assert isinstance(drain(sink)[-1], RequestAborted)
+    assert isinstance(drain(sink)[-1], EngineDroppedRequest)
     assert engine.block_manager.num_used_blocks == 0
     with pytest.raises(EngineLoopStopped):
         loop.call(lambda e: None)
