@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.core.scheduler import ScheduledSeq, SchedulerOutput
-from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep, placeholder_rows
+from common.engine.core.scheduler import ScheduledSeq
+from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep
+from common.engine.step_input import StepInput
 from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.model_config import ModelConfig
 
@@ -114,11 +115,11 @@ class CudaGraphRunner(ModelRunner):
             from common.models.ops_triton import TRITON_OPS
             model.ops = TRITON_OPS
         mc = model_config
-        max_len = min(config.max_model_len or mc.max_position_embeddings,
+        max_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
                       mc.max_position_embeddings)
         self.max_blocks = -(-max_len // self.block_size)
-        self.max_seqs = config.max_num_seqs
-        self.max_tokens = max(config.max_num_batched_tokens, self.max_seqs)
+        self.max_seqs = config.scheduler.max_num_seqs
+        self.max_tokens = max(config.scheduler.max_num_batched_tokens, self.max_seqs)
         i32, i64 = torch.int32, torch.int64
         self.input_ids = _Staged((self.max_tokens,), i64, device)
         self.positions = _Staged((self.max_tokens,), i64, device)
@@ -138,113 +139,78 @@ class CudaGraphRunner(ModelRunner):
         # more in launches (~300 of them) than on the GPU. Every sequence row up to max_seqs is
         # in the graph (unused ones have no tokens), and all rows go through the extend kernel.
         self.prefill_graphs: dict[tuple[int, int], _Graph] = {}  # by (tokens, sequences)
-        self.prefill_graph_tokens = min(config.cuda_graph_prefill_tokens, self.max_tokens)
+        self.prefill_graph_tokens = min(config.cuda_graphs.prefill_tokens, self.max_tokens)
         self.steps = {"graph": 0, "prefill_graph": 0, "eager": 0, "fallback": 0}
         if use_cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
             self._capture_all()
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _launch(self, out: SchedulerOutput,
-                draft_probs: Mapping[str, torch.Tensor] | None) -> PendingStep:
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        num_tokens = sum(s.num_new_tokens for s in items)
-        width = max(len(s.seq.block_table) for s in items)
-        if (len(items) > self.max_seqs or num_tokens > self.max_tokens
-                or width > self.max_blocks or any(s.spec_token_ids for s in items)):
+    def _run_step(self, items: list[ScheduledSeq], step: StepInput,
+                  draft_probs: Mapping[str, torch.Tensor]) -> PendingStep:
+        if (step.num_seqs > self.max_seqs or step.num_tokens > self.max_tokens
+                or step.width > self.max_blocks or any(s.spec_token_ids for s in items)):
             self.steps["fallback"] += 1
-            return super()._launch(out, draft_probs)
+            return super()._run_step(items, step, draft_probs)
         if self._uploaded is not None:
             self._uploaded.synchronize()
-        sampling = [i for i, s in enumerate(items) if s.samples]
-        bucket = self.bucket_for(len(items)) if num_tokens == len(items) else None  # decode only
+        n, num_tokens = step.num_seqs, step.num_tokens
+        bucket = self.bucket_for(n) if num_tokens == n else None  # decode only
         prefill_bucket = (next((key for key in sorted(self.prefill_graphs)
-                                if key[0] >= num_tokens and key[1] >= len(items)), None)
+                                if key[0] >= num_tokens and key[1] >= n), None)
                           if bucket is None else None)
         if bucket is not None:
             self.steps["graph"] += 1
-            logits = self._replay(items, width, bucket, sampling)
+            logits = self._replay(step, bucket)
         elif prefill_bucket is not None:
             self.steps["prefill_graph"] += 1
-            logits = self._replay_prefill(items, width, prefill_bucket, sampling)
+            logits = self._replay_prefill(step, prefill_bucket)
         else:
             self.steps["eager"] += 1
-            logits = self._eager(items, width, sampling)
-        return self._sample(items, sampling, logits)
-
-    def _sample(self, items: list[ScheduledSeq], sampling: list[int],
-                logits: torch.Tensor | None) -> PendingStep:
+            logits = self._eager(step)
         if logits is None:
             return PendingStep([])
-        seqs = [items[i].seq for i in sampling]
+        seqs = [s.seq for s in items if s.samples]
         return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds n rows (None: no graph fits)."""
         return next((b for b in sorted(self.graphs) if b >= n), None)
 
-    def _stage(self, items: list[ScheduledSeq], width: int, pad_to: int, *,
-               pad_tokens_to: int = 0) -> tuple[AttentionMetadata, list[int]]:
-        """Uploads the step's inputs, with pad_to - len(items) padding rows: one token each
-        (decode graphs), or, with pad_tokens_to, no tokens, the tokens padded to pad_tokens_to
-        (prefill graphs). Padding writes no K/V (slot -1) and reads none (context 0). Returns
-        the metadata on the device buffers and the query start locations of the real rows."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        lens: list[int] = []
-        rows: list[int] = []
-        for s in items:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            table = seq.block_table
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            lens.append(end)
-            rows += table
-            rows += [0] * (width - len(table))
-        n, pad = len(items), pad_to - len(items)
-        if pad_tokens_to:
-            extra = pad_tokens_to - qsl[-1]
-            padded_qsl = qsl + [qsl[-1]] * pad
-        else:
-            extra = pad
-            padded_qsl = qsl + list(range(qsl[-1] + 1, qsl[-1] + pad + 1))
-        dst, src = placeholder_rows(items)
-        for row in dst:  # decode rows come first: row == token index
-            ids[row] = 0
-        # Whole rows go up (one contiguous copy). Entries past `width` are stale but valid block
-        # ids, and the kernels read no token past seq_lens, so they are never used.
-        self.block_tables.host[:n, :width] = torch.tensor(rows, dtype=torch.int32).view(n, width)
-        self.block_tables.dev[:pad_to].copy_(self.block_tables.host[:pad_to], non_blocking=True)
-        num_decodes = sum(1 for s in items if s.num_new_tokens == 1) + (0 if pad_tokens_to else pad)
+    def _stage(self, step: StepInput) -> AttentionMetadata:
+        """Writes a step input, padded or not, into the persistent buffers: each list into its
+        pinned host twin, one non_blocking copy up per buffer, then the placeholders' tokens
+        copied on the device. Returns the metadata on the device buffers (the eager path's;
+        the graphs have their own)."""
+        n, rows, width = step.num_seqs, len(step.seq_lens), step.width
+        # Whole rows go up (one contiguous copy). Entries past `width`, and the padding rows,
+        # are stale but valid block ids, and the kernels read no token past seq_lens, so they
+        # are never used.
+        self.block_tables.host[:n, :width] = torch.tensor(step.block_tables, dtype=torch.int32)
+        self.block_tables.dev[:rows].copy_(self.block_tables.host[:rows], non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping.put(slots + [-1] * extra),
-            query_start_loc=self.query_start_loc.put(padded_qsl),
-            seq_lens=self.seq_lens.put(lens + [0] * pad),
-            block_tables=self.block_tables.dev[:pad_to, :width],
-            num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            max_query_len=max(s.num_new_tokens for s in items),
-            max_seq_len=max(lens),
+            slot_mapping=self.slot_mapping.put(step.slot_mapping),
+            query_start_loc=self.query_start_loc.put(step.query_start_loc),
+            seq_lens=self.seq_lens.put(step.seq_lens),
+            block_tables=self.block_tables.dev[:rows, :width],
+            num_decodes=step.num_decodes, num_decode_tokens=step.num_decodes,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
         )
-        self.input_ids.put(ids + [0] * extra)
-        self.positions.put(positions + [0] * extra)
-        if dst:
-            self._fill_placeholders(self.input_ids.dev, self.placeholder_dst.put(dst),
-                                    self.placeholder_src.put(src))
-        return meta, qsl
+        self.input_ids.put(step.input_ids)
+        self.positions.put(step.positions)
+        if step.placeholder_dst:
+            self._fill_placeholders(self.input_ids.dev,
+                                    self.placeholder_dst.put(step.placeholder_dst),
+                                    self.placeholder_src.put(step.placeholder_src))
+        return meta
 
-    def _replay_prefill(self, items: list[ScheduledSeq], width: int, shape: tuple[int, int],
-                        sampling: list[int]) -> torch.Tensor | None:
-        # Rows of the block table past len(items) keep stale ids: their sequences have no
+    def _replay_prefill(self, step: StepInput, shape: tuple[int, int]) -> torch.Tensor | None:
+        # Rows of the block table past the step's keep stale ids: their sequences have no
         # tokens and seq_len 0, so nothing reads them.
         tokens, seqs = shape
-        _, qsl = self._stage(items, width, seqs, pad_tokens_to=tokens)  # the graph has its meta
-        rows = self.logit_rows.put([qsl[i + 1] - 1 for i in sampling]) if sampling else None
+        self._stage(step.padded_for_prefill_graph(tokens, seqs))  # the graph has its meta
+        rows = self.logit_rows.put(step.logit_rows) if step.logit_rows else None
         self._record_upload()
         g = self.prefill_graphs[shape]
         g.graph.replay()
@@ -252,28 +218,28 @@ class CudaGraphRunner(ModelRunner):
             return None
         return self.model.compute_logits(g.output.index_select(0, rows))
 
-    def _eager(self, items: list[ScheduledSeq], width: int,
-               sampling: list[int]) -> torch.Tensor | None:
-        meta, qsl = self._stage(items, width, len(items))
-        num_tokens = qsl[-1]
-        rows = self.logit_rows.put([qsl[i + 1] - 1 for i in sampling])
+    def _eager(self, step: StepInput) -> torch.Tensor | None:
+        meta = self._stage(step)
+        num_tokens = step.num_tokens
+        rows = self.logit_rows.put(step.logit_rows)
         self._record_upload()
         hidden = self.model(self.input_ids.dev[:num_tokens], self.positions.dev[:num_tokens],
                             self.kv_cache, meta, self.backend)
-        if not sampling:
+        if not step.logit_rows:
             return None
         return self.model.compute_logits(hidden.index_select(0, rows))
 
-    def _replay(self, items: list[ScheduledSeq], width: int, bucket: int,
-                sampling: list[int]) -> torch.Tensor | None:
-        self._stage(items, width, bucket)  # the graph reads block_tables.dev[:bucket], all columns
-        rows = self.logit_rows.put(sampling) if len(sampling) < len(items) else None
+    def _replay(self, step: StepInput, bucket: int) -> torch.Tensor | None:
+        # The graph reads block_tables.dev[:bucket], all columns. Decode rows: row == token.
+        self._stage(step.padded_for_decode_graph(bucket))
+        sampling = step.logit_rows
+        rows = self.logit_rows.put(sampling) if len(sampling) < step.num_seqs else None
         self._record_upload()
         g = self.graphs[bucket]
         g.graph.replay()
         if not sampling:
             return None
-        return g.output[:len(items)] if rows is None else g.output.index_select(0, rows)
+        return g.output[:step.num_seqs] if rows is None else g.output.index_select(0, rows)
 
     def _record_upload(self) -> None:
         if self._uploaded is not None:

@@ -23,6 +23,7 @@ from common.engine.config import EngineConfig
 from common.engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from common.engine.core.sequence import Sequence
 from common.engine.sampler import DeviceSample, Sampler, TokenLogprobs
+from common.engine.step_input import StepInput, build_step_input, decodes_first, step_rows
 from common.models.attention import AttentionBackend, AttentionMetadata
 from common.models.model_config import ModelConfig
 from common.models.ops_onednn import install_cpu_ops
@@ -47,46 +48,22 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     return TorchAttentionBackend()
 
 
-class BatchRow(NamedTuple):
-    token_ids: list[int]  # the tokens computed this step
-    start: int            # position of the first of them (tokens already in the cache before)
-    block_table: list[int]
-
-
-def build_batch(rows: list[BatchRow], block_size: int, device: torch.device,
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """input_ids, positions and attention metadata of one flat step. Rows of one token (decodes)
-    must come first: the attention backends rely on it."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    seq_lens: list[int] = []
-    num_decodes = 0
-    max_blocks = max(len(r.block_table) for r in rows)
-    tables: list[list[int]] = []
-    for tokens, start, table in rows:
-        end = start + len(tokens)
-        num_decodes += len(tokens) == 1
-        input_ids.extend(tokens)
-        positions.extend(range(start, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(start, end))
-        qsl.append(qsl[-1] + len(tokens))
-        seq_lens.append(end)
-        tables.append(table + [0] * (max_blocks - len(table)))
+def step_tensors(step: StepInput, device: torch.device,
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids, positions and attention metadata of a step, as fresh tensors on `device`
+    (placeholders still 0: see ModelRunner._fill_placeholders)."""
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        max_query_len=max(len(r.token_ids) for r in rows),
-        max_seq_len=max(seq_lens),
+        slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(step.block_tables, dtype=torch.int32, device=device),
+        num_decodes=step.num_decodes,
+        num_decode_tokens=step.num_decodes,
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
     )
-    return (torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device), meta)
+    return (torch.tensor(step.input_ids, dtype=torch.int64, device=device),
+            torch.tensor(step.positions, dtype=torch.int64, device=device), meta)
 
 
 class StepOutput(NamedTuple):
@@ -126,21 +103,6 @@ class PendingStep:
         return self._done
 
 
-def placeholder_rows(items: list[ScheduledSeq]) -> tuple[list[int], list[int]]:
-    """(row in the step's flat batch, row of the previous launch's tokens) of each placeholder.
-    A placeholder is always a decode row's one token, and decode rows come first."""
-    dst: list[int] = []
-    src: list[int] = []
-    for row, s in enumerate(items):
-        if s.num_new_tokens != 1:
-            break
-        token = s.seq.token_ids[s.seq.num_computed_tokens]
-        if token < 0:
-            dst.append(row)
-            src.append(-token - 1)
-    return dst, src
-
-
 class ModelRunner:
     """`extra_bytes_per_block`: memory per block that another pool of the same number of blocks
     takes from the same budget (the draft model's KV, see common.spec_decode.draft_model)."""
@@ -150,14 +112,14 @@ class ModelRunner:
                  kv_cache_allocator: KVAllocator | None = None, *,
                  extra_bytes_per_block: int = 0):
         if device.type == "cpu":
-            install_cpu_ops(model, config.cpu_linear)
+            install_cpu_ops(model, config.model.cpu_linear)
         self.model = model
         self.mc = model_config
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.block_size = config.block_size
-        self.backend = make_attention_backend(config.attention_backend, device)
+        self.block_size = config.cache.block_size
+        self.backend = make_attention_backend(config.model.attention_backend, device)
         self.sampler = Sampler()
         self.verifier = RejectionSampler(self.sampler)
         self.extra_bytes_per_block = extra_bytes_per_block
@@ -174,36 +136,18 @@ class ModelRunner:
                 * torch.empty((), dtype=self.dtype).element_size())
 
     def _pool_size(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.kv_cache_memory_fraction
+            budget = free * self.config.cache.kv_cache_memory_fraction
         else:
-            budget = min(self.config.cpu_kv_cache_gib * 2**30,
-                         psutil.virtual_memory().available * self.config.kv_cache_memory_fraction)
+            cache = self.config.cache
+            budget = min(cache.cpu_kv_cache_gib * 2**30,
+                         psutil.virtual_memory().available * cache.kv_cache_memory_fraction)
         return max(1, int(budget // (self.bytes_per_block + self.extra_bytes_per_block)))
 
     # ---- one step -----------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor,
-                                                      torch.Tensor, AttentionMetadata]:
-        """Order decodes first (the attention backends rely on it) and build the flat batch;
-        a speculating sequence's rows are its known tokens followed by its drafts."""
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        rows = []
-        for s in items:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            known = seq.token_ids[start:start + s.num_new_tokens - len(s.spec_token_ids)]
-            rows.append(BatchRow(known + s.spec_token_ids, start, seq.block_table))
-        dst, src = placeholder_rows(items)
-        for row in dst:
-            rows[row] = rows[row]._replace(token_ids=[0])
-        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
-        if dst:
-            self._fill_placeholders(input_ids, torch.tensor(dst, device=self.device),
-                                    torch.tensor(src, device=self.device))
-        return items, input_ids, positions, meta
-
     def _fill_placeholders(self, input_ids: torch.Tensor, dst: torch.Tensor,
                            src: torch.Tensor) -> None:
         if self.last_tokens is None:
@@ -226,24 +170,29 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, out: SchedulerOutput,
                 draft_probs: Mapping[str, torch.Tensor] | None) -> PendingStep:
-        items, input_ids, positions, meta = self.prepare(out)
+        items = decodes_first(out.scheduled)
+        step = build_step_input(step_rows(items), self.block_size)
+        return self._run_step(items, step, draft_probs or {})
+
+    def _run_step(self, items: list[ScheduledSeq], step: StepInput,
+                  draft_probs: Mapping[str, torch.Tensor]) -> PendingStep:
+        input_ids, positions, meta = step_tensors(step, self.device)
+        if step.placeholder_dst:
+            dev = self.device
+            self._fill_placeholders(input_ids, torch.tensor(step.placeholder_dst, device=dev),
+                                    torch.tensor(step.placeholder_src, device=dev))
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         sampling = [s for s in items if s.samples]
         if not sampling:
             return PendingStep([])
-        # Logits rows: the last token of each sampling sequence, preceded by its drafts' rows.
-        rows: list[int] = []
-        end = 0
-        for s in items:
-            end += s.num_new_tokens
-            if s.samples:
-                rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+        # Logit rows: each sampling sequence's last known token, then its drafts.
+        rows = step.logit_rows
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[idx] if len(rows) < end else hidden)
+        logits = self.model.compute_logits(hidden[idx] if len(rows) < step.num_tokens else hidden)
         seqs = [s.seq for s in sampling]
         if not any(s.spec_token_ids for s in sampling):
             return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
-        return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs or {}))
+        return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs))
 
     def _verify(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                 draft_probs: Mapping[str, torch.Tensor]) -> StepOutput:

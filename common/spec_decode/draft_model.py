@@ -28,8 +28,9 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.block_manager import BlockManager
 from common.engine.core.sequence import Sequence
-from common.engine.model_runner import BatchRow, build_batch
+from common.engine.model_runner import step_tensors
 from common.engine.sampler import processed_probs, row_argmax
+from common.engine.step_input import StepRow, build_step_input
 from common.engine.uploads import to_device
 from common.models.attention import AttentionBackend
 from common.models.llama import LlamaModel
@@ -41,13 +42,13 @@ from common.spec_decode.proposer import Draft, Proposer
 
 def load_draft_model(config: EngineConfig, target: ModelConfig, dtype: torch.dtype,
                      device: torch.device) -> tuple[LlamaModel, ModelConfig]:
-    assert config.speculative_model is not None
-    model, mc = load_model(config.speculative_model, dtype=dtype, device=device,
-                           cache_dir=config.model_cache_dir)
+    assert config.speculative.model is not None
+    model, mc = load_model(config.speculative.model, dtype=dtype, device=device,
+                           cache_dir=config.model.model_cache_dir)
     if device.type == "cpu":
-        install_cpu_ops(model, config.cpu_linear)
+        install_cpu_ops(model, config.model.cpu_linear)
     if mc.vocab_size != target.vocab_size:
-        raise ValueError(f"draft model {config.speculative_model!r} has vocabulary size "
+        raise ValueError(f"draft model {config.speculative.model!r} has vocabulary size "
                          f"{mc.vocab_size}, the target {target.vocab_size}: they must match")
     return model, mc
 
@@ -60,8 +61,8 @@ def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 @dataclass(slots=True)
 class _Row:
     owner: int  # index of the sequence in propose()'s list
-    batch_row: BatchRow
-    drafts: bool = True  # False: a chunk of a long catch-up, no draft token this step
+    # num_logits 1: it drafts; 0: a chunk of a long catch-up, no draft token this step
+    step_row: StepRow
 
 
 @dataclass(slots=True)
@@ -102,8 +103,8 @@ class DraftModelProposer(Proposer):
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         rows = self._catch_up(seqs, max_tokens)
         while rows:
-            rows.sort(key=lambda row: len(row.batch_row.token_ids) != 1)  # decodes first
-            drafting = [row.owner for row in rows if row.drafts]
+            rows.sort(key=lambda row: len(row.step_row.token_ids) != 1)  # decodes first
+            drafting = [row.owner for row in rows if row.step_row.num_logits]
             chosen, q = self._sample(self._forward(seqs, rows), [seqs[i] for i in drafting])
             rows = []
             for i, token, q_row in zip(drafting, chosen, q, strict=True):
@@ -112,7 +113,8 @@ class DraftModelProposer(Proposer):
                     probs[i].append(q_row)
                 if len(tokens[i]) < max_tokens[i]:
                     state = self.states[seqs[i].request_id]
-                    rows.append(_Row(i, BatchRow([token], state.num_computed, state.block_table)))
+                    rows.append(_Row(i, StepRow([token], state.num_computed, state.block_table,
+                                                num_logits=1)))
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
 
     def _catch_up(self, seqs: list[Sequence], max_tokens: list[int]) -> list[_Row]:
@@ -132,24 +134,20 @@ class DraftModelProposer(Proposer):
             if take <= 0 or not self.block_manager.allocate(state.block_table, total):
                 continue
             budget -= take
-            rows.append(_Row(i, BatchRow(seq.token_ids[start:start + take], start,
-                                         state.block_table), drafts=take == need))
+            rows.append(_Row(i, StepRow(seq.token_ids[start:start + take], start,
+                                        state.block_table, num_logits=int(take == need))))
         return rows
 
     def _forward(self, seqs: list[Sequence], rows: list[_Row]) -> torch.Tensor:
         """Run the draft on rows (decodes first); logits at the last token of drafting rows."""
-        input_ids, positions, meta = build_batch([row.batch_row for row in rows],
-                                                 self.block_size, self.device)
+        step = build_step_input([row.step_row for row in rows], self.block_size)
+        input_ids, positions, meta = step_tensors(step, self.device)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
-        last: list[int] = []
-        end = 0
         for row in rows:
-            end += len(row.batch_row.token_ids)
-            self.states[seqs[row.owner].request_id].num_computed = row.batch_row.start + len(
-                row.batch_row.token_ids)
-            if row.drafts:
-                last.append(end - 1)
-        return self.model.compute_logits(hidden[to_device(last, torch.long, self.device)])
+            tokens, start = row.step_row.token_ids, row.step_row.start
+            self.states[seqs[row.owner].request_id].num_computed = start + len(tokens)
+        last = to_device(step.logit_rows, torch.long, self.device)
+        return self.model.compute_logits(hidden[last])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 ) -> tuple[list[int], list[torch.Tensor | None]]:

@@ -10,7 +10,9 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
-from common.engine.model_runner import BatchRow, build_batch
+from common.engine.model_runner import step_tensors
+from common.engine.step_input import StepRow, build_step_input
+from common.flags import build
 from tests.common.spec_decode.stats import fits
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4 + [5, 6, 7], list(range(20, 60)),
@@ -25,7 +27,7 @@ SAME_DRAFT = dict(speculative_method="draft", speculative_model="dummy:tiny-llam
 def make(**kw) -> LLMEngine:
     config = dict(model="dummy:tiny-llama", num_kv_blocks=256, block_size=4)
     config.update(kw)
-    return LLMEngine(EngineConfig(**config))
+    return LLMEngine(build(EngineConfig, **config))
 
 
 def check_released(engine: LLMEngine) -> None:
@@ -128,11 +130,11 @@ def test_seeded_sampling_is_unchanged_by_ngram_and_deterministic_with_a_draft() 
 def _next_token_probs(engine: LLMEngine, contexts: list[list[int]]) -> torch.Tensor:
     """Exact p(next | context) under the target at temperature 1: one prefill of every context
     on blocks borrowed from the engine's pool."""
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     tables = [engine.block_manager.allocate_blocks(-(-len(c) // bs)) for c in contexts]
     try:
-        rows = [BatchRow(c, 0, t) for c, t in zip(contexts, tables, strict=True)]
-        ids, pos, meta = build_batch(rows, bs, engine.device)
+        rows = [StepRow(c, 0, t) for c, t in zip(contexts, tables, strict=True)]
+        ids, pos, meta = step_tensors(build_step_input(rows, bs), engine.device)
         with torch.inference_mode():
             hidden = engine.runner.model(ids, pos, engine.kv_cache, meta, engine.runner.backend)
             last = meta.query_start_loc[1:].long() - 1
