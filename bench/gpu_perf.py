@@ -41,6 +41,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_model_check import build_engine, hf_model  # noqa: E402
@@ -196,34 +197,22 @@ class Ours:
     def offline(self, prompts: list, olens: list) -> dict:
         """generate() over the prompts; also splits the wall time at the last step that was not
         a decode-graph replay: the prefill phase (prefill chunks, mixed steps) and the decode
-        phase after it. Steps are timed at their launch, which overlap scheduling paces by the
-        device one step behind, so the split is within one step of the device's (~0.2 s of
-        T1's 8192-token steps)."""
+        phase after it. Steps are timed at the return of their launch (runner.timed_steps()),
+        which overlap scheduling paces by the device one step behind, so the split is within
+        one step of the device's (~0.2 s of T1's 8192-token steps)."""
         runner = self.runner
         steps0 = dict(runner.steps)
-        launches: list[tuple[float, bool]] = []   # (launch time, a decode-graph replay)
-        plain_launch = runner._launch
-
-        def timed_launch(out, draft_probs):
-            graphs = runner.steps["graph"]
-            pending = plain_launch(out, draft_probs)
-            launches.append((time.perf_counter(), runner.steps["graph"] > graphs))
-            return pending
-
-        runner._launch = timed_launch
-        try:
+        with runner.timed_steps() as launches:
             sync(self.device)
             t = time.perf_counter()
             outs = self.engine.generate(prompts, [greedy(o) for o in olens])
             sync(self.device)
             end = time.perf_counter()
-        finally:
-            del runner._launch   # the class's method again
         elapsed = end - t
         assert [len(o.output_token_ids) for o in outs] == olens
         steps = {k: v - steps0[k] for k, v in runner.steps.items()}
-        last_other = max((i for i, (_, g) in enumerate(launches) if not g), default=-1)
-        split = launches[last_other + 1][0] if last_other + 1 < len(launches) else end
+        last_other = max((i for i, s in enumerate(launches) if s.kind != "graph"), default=-1)
+        split = launches[last_other + 1].end if last_other + 1 < len(launches) else end
         return {"requests": len(prompts), "output_tokens": sum(olens),
                 "prompt_tokens": sum(map(len, prompts)), "seconds_run": elapsed,
                 "tok_s": sum(olens) / elapsed, "runner_steps": steps,
@@ -275,8 +264,8 @@ class Ours:
         hot = [self.ttft(shared + toks(100), f"hot{i}") for i in range(reps)]
         return {"uncached_ms": statistics.median(cold), "cached_ms": statistics.median(hot),
                 "ratio": statistics.median(hot) / statistics.median(cold),
-                "cached_tokens": (500 // self.engine.config.block_size)
-                * self.engine.config.block_size}
+                "cached_tokens": (500 // self.engine.config.cache.block_size)
+                * self.engine.config.cache.block_size}
 
     def handoff(self, plen: int = 512, reps: int = 20) -> dict:
         e = self.engine
@@ -373,7 +362,7 @@ def main() -> None:
 def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
     """Our sections; returns (model config, T1 prompts, outputs, T2 prompts, outputs) for HF.
     The engine is freed when this returns."""
-    engine = run.section("build", 60, lambda: build_engine(EngineConfig(
+    engine = run.section("build", 60, lambda: build_engine(build(EngineConfig,
         model=f"dummy:{args.shape}", dtype="bfloat16", device=args.device,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batch, args.max_num_seqs),
         max_num_batched_tokens=8192,
@@ -397,9 +386,9 @@ def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
     def t1() -> dict:
         r = ours.offline(p1, o1)
         r["floor_prefill_s"], r["floor_decode_s"] = ours.offline_floor_parts(
-            p1, o1, engine.config.max_num_seqs)
+            p1, o1, engine.config.scheduler.max_num_seqs)
         r["floor_s"] = r["floor_prefill_s"] + r["floor_decode_s"]
-        r["max_num_seqs"] = engine.config.max_num_seqs
+        r["max_num_seqs"] = engine.config.scheduler.max_num_seqs
         r["floor_tok_s"] = sum(o1) / r["floor_s"]
         r["scaled_down_from"] = args.prompts if n1 < args.prompts else None
         return r

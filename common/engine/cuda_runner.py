@@ -2,11 +2,15 @@
 
 At start-up it allocates every per-step tensor (input ids, positions, slot mapping, query start
 locations, context lengths, block tables, logit row indices) on the device at its largest size,
-with pinned host twins, and captures one CUDA graph per decode batch bucket. A step then:
+with pinned host twins, and captures one CUDA graph per decode batch bucket and per prefill/mixed
+shape. It overrides ModelRunner.run_step, which gets the step's input as ModelRunner.launch
+built it (common.engine.step_input.StepInput); a step then:
 
-    host lists --> pinned staging --(one non_blocking copy per buffer)--> persistent device buffers
-    decode-only and fits a bucket: pad the batch to the bucket and replay its graph
-                                   (padding rows: token 0, position 0, slot -1, context 0)
+    StepInput lists --> pinned staging --(one non_blocking copy per buffer)--> persistent buffers
+    decode-only and fits a bucket: pad the step to the bucket (padded_for_decode_graph) and
+                                   replay its graph (padding rows: token 0, position 0, slot -1,
+                                   context 0)
+    fits a prefill/mixed graph:    pad its tokens and rows (padded_for_prefill_graph), replay
     otherwise (prefill, mixed):    eager forward on views of the same buffers
     logits of the rows that sample --> Sampler (on the GPU) --> tokens copied to pinned memory
     PendingStep.result(): waits for that copy, the step's one sync (overlap scheduling builds
@@ -67,12 +71,12 @@ def prefill_graph_shapes(max_tokens: int, max_seqs: int) -> list[tuple[int, int]
 
 def make_runner(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                 device: torch.device, dtype: torch.dtype,
-                kv_cache_allocator: KVAllocator | None = None, *,
+                kv_cache_allocator: KVAllocator | None = None, *, max_model_len: int,
                 extra_bytes_per_block: int = 0) -> ModelRunner:
     """The engine's runner: CudaGraphRunner on CUDA, the plain ModelRunner elsewhere."""
     cls = CudaGraphRunner if device.type == "cuda" else ModelRunner
     return cls(model, model_config, config, device, dtype, kv_cache_allocator,
-               extra_bytes_per_block=extra_bytes_per_block)
+               max_model_len=max_model_len, extra_bytes_per_block=extra_bytes_per_block)
 
 
 class _Staged:
@@ -101,23 +105,22 @@ class _Graph:
 
 class CudaGraphRunner(ModelRunner):
     """ModelRunner's API (execute, kv_cache, num_blocks, export_kv, import_kv, sampler) with
-    persistent buffers and decode CUDA graphs. Two kinds of step go to ModelRunner.execute
-    instead: speculative verification steps (drafts), and steps larger than the buffers (more
-    sequences than max_num_seqs, e.g. handed-off requests, or tables past max_model_len)."""
+    persistent buffers and CUDA graphs. Two kinds of step go to ModelRunner.run_step instead
+    (kind "fallback"): speculative verification steps (drafts), and steps larger than the
+    buffers (more sequences than max_num_seqs, e.g. handed-off requests, or tables past
+    max_model_len). Step kinds: "graph" (a decode graph), "prefill_graph", "eager" (the
+    buffers, no graph) and "fallback"."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  device: torch.device, dtype: torch.dtype,
-                 kv_cache_allocator: KVAllocator | None = None, *, extra_bytes_per_block: int = 0,
-                 use_cuda_graphs: bool = True):
+                 kv_cache_allocator: KVAllocator | None = None, *, max_model_len: int,
+                 extra_bytes_per_block: int = 0, use_cuda_graphs: bool = True):
         super().__init__(model, model_config, config, device, dtype, kv_cache_allocator,
-                         extra_bytes_per_block=extra_bytes_per_block)
+                         max_model_len=max_model_len, extra_bytes_per_block=extra_bytes_per_block)
         if device.type == "cuda":
             from common.models.ops_triton import TRITON_OPS
             model.ops = TRITON_OPS
-        mc = model_config
-        max_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
-                      mc.max_position_embeddings)
-        self.max_blocks = -(-max_len // self.block_size)
+        self.max_blocks = -(-max_model_len // self.block_size)
         self.max_seqs = config.scheduler.max_num_seqs
         self.max_tokens = max(config.scheduler.max_num_batched_tokens, self.max_seqs)
         i32, i64 = torch.int32, torch.int64
@@ -146,12 +149,14 @@ class CudaGraphRunner(ModelRunner):
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _run_step(self, items: list[ScheduledSeq], step: StepInput,
-                  draft_probs: Mapping[str, torch.Tensor]) -> PendingStep:
+    def run_step(self, items: list[ScheduledSeq], step: StepInput,
+                 draft_probs: Mapping[str, torch.Tensor]) -> PendingStep:
+        """The step on the persistent buffers: a graph replay where one fits, else eager."""
         if (step.num_seqs > self.max_seqs or step.num_tokens > self.max_tokens
                 or step.width > self.max_blocks or any(s.spec_token_ids for s in items)):
-            self.steps["fallback"] += 1
-            return super()._run_step(items, step, draft_probs)
+            pending = super().run_step(items, step, draft_probs)
+            pending.kind = "fallback"
+            return pending
         if self._uploaded is not None:
             self._uploaded.synchronize()
         n, num_tokens = step.num_seqs, step.num_tokens
@@ -160,18 +165,15 @@ class CudaGraphRunner(ModelRunner):
                                 if key[0] >= num_tokens and key[1] >= n), None)
                           if bucket is None else None)
         if bucket is not None:
-            self.steps["graph"] += 1
-            logits = self._replay(step, bucket)
+            kind, logits = "graph", self._replay(step, bucket)
         elif prefill_bucket is not None:
-            self.steps["prefill_graph"] += 1
-            logits = self._replay_prefill(step, prefill_bucket)
+            kind, logits = "prefill_graph", self._replay_prefill(step, prefill_bucket)
         else:
-            self.steps["eager"] += 1
-            logits = self._eager(step)
+            kind, logits = "eager", self._eager(step)
         if logits is None:
-            return PendingStep([])
+            return PendingStep([], kind=kind)
         seqs = [s.seq for s in items if s.samples]
-        return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
+        return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens), kind=kind)
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds n rows (None: no graph fits)."""

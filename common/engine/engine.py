@@ -20,7 +20,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.block_manager import BlockManager
 from common.engine.core.sampling_params import SamplingParams
-from common.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from common.engine.core.scheduler import Scheduler, SchedulerOutput
 from common.engine.core.sequence import FinishReason, Sequence
 from common.engine.cuda_runner import make_runner
 from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep
@@ -103,46 +103,41 @@ class LLMEngine:
         """runner_factory builds the model runner (default: CUDA graphs on CUDA, the plain runner
         elsewhere); tests pass a runner class to compare runners on the same device."""
         self.config = config
-        self.device = resolve_device(config.device)
-        if config.dtype == "auto":
+        self.device = resolve_device(config.model.device)
+        if config.model.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
-            self.dtype = _DTYPES[config.dtype]
+            self.dtype = _DTYPES[config.model.dtype]
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
         if self._cuda_index is None and self.device.type == "cuda":
             self._cuda_index = torch.cuda.current_device()
             self.device = torch.device("cuda", self._cuda_index)
         self._use_device()
-        torch.manual_seed(config.seed)
-        if config.cpu_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads)
-        cache_dir = config.model_cache_dir
+        torch.manual_seed(config.model.seed)
+        if config.model.cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.model.cpu_threads)
+        cache_dir = config.model.model_cache_dir
         self.model, self.model_config = load_model(
-            config.model, dtype=self.dtype, device=self.device, cache_dir=cache_dir)
+            config.model.name, dtype=self.dtype, device=self.device, cache_dir=cache_dir)
         self.tokenizer: Tokenizer | None = None
-        if not config.model.startswith("dummy:"):
-            self.tokenizer = Tokenizer.from_dir(resolve_model(config.model, cache_dir))
+        if not config.model.is_dummy:
+            self.tokenizer = Tokenizer.from_dir(resolve_model(config.model.name, cache_dir))
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = config.scheduler.resolved_max_model_len(mc.max_position_embeddings)
         draft_model = None
         draft_bytes = 0
-        if config.speculative_method == "draft":  # loaded first: its weights are not KV memory
+        if config.speculative.method == "draft":  # loaded first: its weights are not KV memory
             draft_model, draft_mc = load_draft_model(config, mc, self.dtype, self.device)
-            draft_bytes = kv_bytes_per_block(draft_mc, config.block_size, self.dtype)
+            draft_bytes = kv_bytes_per_block(draft_mc, config.cache.block_size, self.dtype)
         self.runner = runner_factory(self.model, mc, config, self.device, self.dtype,
-                                  kv_cache_allocator, extra_bytes_per_block=draft_bytes)
+                                     kv_cache_allocator, max_model_len=self.max_model_len,
+                                     extra_bytes_per_block=draft_bytes)
         self.speculator = make_speculator(config, self.max_model_len,
                                           num_blocks=self.runner.num_blocks,
                                           backend=self.runner.backend, draft_model=draft_model)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
-            self.block_manager)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.texts: dict[str, _Text] = {}
@@ -150,12 +145,12 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
         # Overlap scheduling (see step()); speculation proposes from the real last tokens.
         self.overlap = self.speculator is None and (
-            config.overlap_scheduling == "on"
-            or (config.overlap_scheduling == "auto" and self.device.type == "cuda"))
+            config.scheduler.overlap_scheduling == "on"
+            or (config.scheduler.overlap_scheduling == "auto" and self.device.type == "cuda"))
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d",
                  config.model_name, self.device, self.dtype, self.runner.num_blocks,
-                 config.block_size)
+                 config.cache.block_size)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -181,7 +176,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length ({self.max_model_len})")
-        needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.config.block_size)
+        needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.config.cache.block_size)
         if needed > self.block_manager.num_blocks:
             raise InvalidRequestError(
                 f"request needs {needed} KV blocks; the pool has {self.block_manager.num_blocks}")
@@ -210,7 +205,7 @@ class LLMEngine:
         if prefilled is not None:
             if prefilled.block_ids is not None:
                 computed = len(prompt_token_ids) + len(known)
-                if len(prefilled.block_ids) * self.config.block_size < computed:
+                if len(prefilled.block_ids) * self.config.cache.block_size < computed:
                     raise InvalidRequestError("prefilled blocks are too few for the prompt")
                 seq.block_table = list(prefilled.block_ids)
                 seq.num_computed_tokens = computed
@@ -443,7 +438,7 @@ class LLMEngine:
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
                                    seq.first_token_time, now if finished else None),
             held_block_ids=list(self.held[seq.request_id]) if seq.request_id in self.held else None,
-            block_hashes=list(seq.block_hashes[:seq.num_prompt_tokens // self.config.block_size]),
+            block_hashes=list(seq.block_hashes[:seq.num_prompt_tokens // self.config.cache.block_size]),
             logprobs=logprobs,
             text=text.text if text else "",
         )

@@ -9,11 +9,28 @@ launch() returns before the device finishes (PendingStep); execute() is launch()
 overlap scheduling the engine schedules step N+1 while step N runs, before N's tokens are on the
 host: a sequence's last token is then a placeholder, -(1 + i), meaning "row i of the tokens the
 previous launch sampled", and the runner copies it from there on the device.
+
+launch() orders the scheduled sequences decodes first, builds their StepInput once
+(common.engine.step_input) and hands both to run_step(), the one method a runner overrides:
+ModelRunner.run_step makes fresh tensors of the input on the runner's device, runs the model
+eagerly and samples (or verifies); common.engine.cuda_runner.CudaGraphRunner.run_step writes the
+input into persistent buffers and replays CUDA graphs, and calls ModelRunner.run_step for the
+steps it does not take. Each PendingStep names the path that ran it (`kind`); `steps` counts
+launches by kind.
+
+Step timing, for benchmarks: every callable in `step_listeners` is called after each launch with
+a StepTiming (kind, and time.perf_counter() at launch()'s entry and return); timed_steps()
+collects them in a list. It times the launch on the host (building and uploading the input,
+enqueueing the forward and the sampler), not the step's completion: on CUDA the device may still
+run it (or, with overlap scheduling, the step before it) when launch() returns; on the CPU the
+forward runs inside launch(). With no listener it reads no clock and allocates nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import psutil
@@ -77,13 +94,15 @@ class StepOutput(NamedTuple):
 
 class PendingStep:
     """A launched step. tokens: the sampled tokens on the device (one per sequence in seqs, the
-    order placeholders refer to), or None for a verification step (its result is final)."""
+    order placeholders refer to), or None for a verification step (its result is final). kind:
+    the path that ran it, a key of the runner's `steps` ("eager" for ModelRunner.run_step)."""
 
     def __init__(self, seqs: list[Sequence], sample: DeviceSample | None = None,
-                 done: StepOutput | None = None):
+                 done: StepOutput | None = None, *, kind: str = "eager"):
         self.seqs = seqs
         self._sample = sample
         self._done = done
+        self.kind = kind
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -103,13 +122,26 @@ class PendingStep:
         return self._done
 
 
+class StepTiming(NamedTuple):
+    """One launch, as step listeners hear of it (see the module docstring)."""
+    kind: str     # the path that ran it (PendingStep.kind)
+    start: float  # time.perf_counter() when launch() was entered
+    end: float    # ... and when it returned: the step is launched, not necessarily done
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
 class ModelRunner:
-    """`extra_bytes_per_block`: memory per block that another pool of the same number of blocks
+    """`max_model_len`: the longest sequence the engine admits, as it resolved it
+    (LLMEngine.max_model_len); block tables are at most that many tokens' blocks wide.
+    `extra_bytes_per_block`: memory per block that another pool of the same number of blocks
     takes from the same budget (the draft model's KV, see common.spec_decode.draft_model)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  device: torch.device, dtype: torch.dtype,
-                 kv_cache_allocator: KVAllocator | None = None, *,
+                 kv_cache_allocator: KVAllocator | None = None, *, max_model_len: int,
                  extra_bytes_per_block: int = 0):
         if device.type == "cpu":
             install_cpu_ops(model, config.model.cpu_linear)
@@ -119,12 +151,15 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
         self.backend = make_attention_backend(config.model.attention_backend, device)
         self.sampler = Sampler()
         self.verifier = RejectionSampler(self.sampler)
         self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks = self._pool_size()
         self.last_tokens: torch.Tensor | None = None  # what placeholders refer to
+        self.steps: dict[str, int] = {"eager": 0}  # launches by PendingStep.kind
+        self.step_listeners: list[Callable[[StepTiming], None]] = []
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
                  model_config.num_kv_heads, model_config.head_dim)
         self.kv_cache = (kv_cache_allocator or default_kv_allocator)(shape, dtype, device)
@@ -162,20 +197,27 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput,
                draft_probs: Mapping[str, torch.Tensor] | None = None) -> PendingStep:
-        """execute() without waiting for the device."""
-        step = self._launch(out, draft_probs)
-        self.last_tokens = step.tokens
-        return step
-
-    @torch.inference_mode()
-    def _launch(self, out: SchedulerOutput,
-                draft_probs: Mapping[str, torch.Tensor] | None) -> PendingStep:
+        """execute() without waiting for the device: the step's input, built once, through
+        run_step; step listeners hear of it."""
+        timed = bool(self.step_listeners)
+        start = time.perf_counter() if timed else 0.0
         items = decodes_first(out.scheduled)
         step = build_step_input(step_rows(items), self.block_size)
-        return self._run_step(items, step, draft_probs or {})
+        pending = self.run_step(items, step, draft_probs or {})
+        self.last_tokens = pending.tokens
+        self.steps[pending.kind] += 1
+        if timed:
+            timing = StepTiming(pending.kind, start, time.perf_counter())
+            for listener in self.step_listeners:
+                listener(timing)
+        return pending
 
-    def _run_step(self, items: list[ScheduledSeq], step: StepInput,
-                  draft_probs: Mapping[str, torch.Tensor]) -> PendingStep:
+    @torch.inference_mode()
+    def run_step(self, items: list[ScheduledSeq], step: StepInput,
+                 draft_probs: Mapping[str, torch.Tensor]) -> PendingStep:
+        """Launch one built step: the method runners override. items: the scheduled sequences
+        in step order (decodes first); step: their input (build_step_input); draft_probs as in
+        execute(). This one runs on fresh tensors on the runner's device, eagerly."""
         input_ids, positions, meta = step_tensors(step, self.device)
         if step.placeholder_dst:
             dev = self.device
@@ -193,6 +235,18 @@ class ModelRunner:
         if not any(s.spec_token_ids for s in sampling):
             return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
         return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs))
+
+    @contextmanager
+    def timed_steps(self) -> Iterator[list[StepTiming]]:
+        """A StepTiming of every launch inside the block, in order (a step listener while it
+        lasts)."""
+        timings: list[StepTiming] = []
+        listener = timings.append
+        self.step_listeners.append(listener)
+        try:
+            yield timings
+        finally:
+            self.step_listeners.remove(listener)
 
     def _verify(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                 draft_probs: Mapping[str, torch.Tensor]) -> StepOutput:

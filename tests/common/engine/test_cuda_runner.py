@@ -18,6 +18,7 @@ from common.engine.core.sampling_params import SamplingParams
 from common.engine.cuda_runner import CudaGraphRunner, decode_buckets, make_runner
 from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner, gather_blocks, scatter_blocks
+from common.flags import build
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -31,10 +32,10 @@ def test_decode_buckets():
 
 
 def test_make_runner_on_cpu_is_the_plain_runner(tmp_path):
-    engine = LLMEngine(EngineConfig(model="dummy:tiny-llama", device="cpu", num_kv_blocks=8,
+    engine = LLMEngine(build(EngineConfig, model="dummy:tiny-llama", device="cpu", num_kv_blocks=8,
                                     model_cache_dir=str(tmp_path)))
     runner = make_runner(engine.model, engine.model_config, engine.config, engine.device,
-                         engine.dtype)
+                         engine.dtype, max_model_len=engine.max_model_len)
     assert type(runner) is ModelRunner
 
 
@@ -43,7 +44,7 @@ def _engine(runner_cls, tmp_path, **kw) -> LLMEngine:
                max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128,
                model_cache_dir=str(tmp_path))
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), runner_factory=runner_cls)
+    return LLMEngine(build(EngineConfig, **cfg), runner_factory=runner_cls)
 
 
 def _workload(n: int = 7) -> tuple[list[list[int]], list[SamplingParams]]:
