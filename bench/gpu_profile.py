@@ -9,12 +9,13 @@ other), the summed GPU time per step and, for the matmuls, their share of the we
 
 --ops fused unfused profiles the same steps twice, each on a fresh engine: with the batch-1
 fusions of kernels.fused_gemv and kernels.fused_qkv (the CUDA path's ops) and without them (an
-A/B in one run).
+A/B in one run; the unfused set exists only here, see unfused_ops).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -27,7 +28,15 @@ from torch.profiler import ProfilerActivity, profile
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from common.models import ops_triton
+from common.models.ops import (
+    ModelOps,
+    compose_act_linear,
+    compose_norm_linear,
+    compose_norm_qkv_rotary_store,
+)
+from kernels import norm_act
 
 KINDS = (("attention", ("decode", "extend", "attn")), ("rotary/store", ("rotary", "store")),
          ("norm", ("rms", "norm")), ("activation", ("silu", "act")),
@@ -162,13 +171,25 @@ def print_kernels(r: dict) -> None:
         print(f"    {us:9.1f} us  {name}")
 
 
+def unfused_ops() -> ModelOps:
+    """The CUDA path's ops without the batch-1 fusions (kernels.fused_gemv, kernels.fused_qkv):
+    at every batch size each norm, activation, GEMV and rotary/store is a launch of its own,
+    as the fused set runs them with more rows."""
+    norm_linear = compose_norm_linear(norm_act.rms_norm, ops_triton.linear)
+    return dataclasses.replace(
+        ops_triton.TRITON_OPS, norm_linear=norm_linear,
+        act_linear=compose_act_linear(norm_act.silu_and_mul, ops_triton.linear),
+        norm_qkv_rotary_store=compose_norm_qkv_rotary_store(norm_linear,
+                                                            ops_triton.rotary_store))
+
+
 def profile_variant(args: argparse.Namespace, variant: str, ttft: bool) -> list[dict]:
-    chosen = (ops_triton.TRITON_OPS if variant == "fused"
-              else ops_triton.triton_ops(fused=False))
     fused = ops_triton.TRITON_OPS
-    ops_triton.TRITON_OPS = chosen   # read by CudaGraphRunner when the engine is built
+    # CudaGraphRunner installs ops_triton.TRITON_OPS when the engine is built and captures its
+    # graphs with them: the unfused set stands in for it until then.
+    ops_triton.TRITON_OPS = fused if variant == "fused" else unfused_ops()
     try:
-        engine = LLMEngine(EngineConfig(
+        engine = LLMEngine(build(EngineConfig,
             model=f"dummy:{args.shape}", dtype="bfloat16", device="cuda", num_kv_blocks=12000,
             max_num_seqs=max(args.batch), max_num_batched_tokens=8192, max_model_len=2048))
     finally:

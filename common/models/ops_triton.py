@@ -6,7 +6,8 @@ itself, so the attention backend's store_kv is not called on this path. linear r
 GEMM (kernels.skinny_gemm) for the few rows of a decode step and cuBLAS (F.linear) otherwise.
 At batch 1, norm_linear and act_linear are one launch each (kernels.fused_gemv), and so is
 norm_qkv_rotary_store (kernels.fused_qkv: norm, qkv GEMV, rotary and the K/V store); with more
-rows they are the ops in turn.
+rows they are the ops in turn. linear and rotary_store are public pieces: bench/gpu_profile.py
+builds its unfused A/B set from them.
 """
 
 from __future__ import annotations
@@ -25,62 +26,62 @@ from common.models.ops import (
 from kernels import fused_gemv, fused_qkv, kv_store, norm_act, skinny_gemm
 
 
-def _rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+def rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
     return kv_store.rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache,
                                     meta.slot_mapping)
 
 
-def triton_ops(*, fused: bool = True) -> ModelOps:
-    """The CUDA path's ops; fused=False turns the batch-1 fusions (kernels.fused_gemv and
-    kernels.fused_qkv) off, only for the A/B in bench/gpu_profile.py."""
-
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if skinny_gemm.supports(x, weight, bias):
-            return skinny_gemm.skinny_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
-
-    norm_linear_unfused = compose_norm_linear(norm_act.rms_norm, linear)
-    act_linear_unfused = compose_act_linear(norm_act.silu_and_mul, linear)
-
-    def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if fused and fused_gemv.supports(h, weight, bias):
-            return fused_gemv.norm_linear(h, residual, norm_weight, eps, weight, bias)
-        return norm_linear_unfused(h, residual, norm_weight, eps, weight, bias)
-
-    def act_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        if fused and fused_gemv.supports(gate_up, weight, bias):
-            return fused_gemv.act_linear(gate_up, weight, bias)
-        return act_linear_unfused(gate_up, weight, bias)
-
-    unfused_qkv = compose_norm_qkv_rotary_store(norm_linear, _rotary_store)
-
-    def norm_qkv_rotary_store(h: torch.Tensor, residual: torch.Tensor | None,
-                              norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                              bias: torch.Tensor | None, positions: torch.Tensor,
-                              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, backend: AttentionBackend,
-                              heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
-        if fused and fused_qkv.supports_qkv(h, weight, bias, *heads):
-            return fused_qkv.norm_qkv_rotary_store(
-                h, residual, norm_weight, eps, weight, bias, positions, cos_sin, k_cache,
-                v_cache, meta.slot_mapping, heads[0])
-        return unfused_qkv(h, residual, norm_weight, eps, weight, bias, positions, cos_sin,
-                           k_cache, v_cache, meta, backend, heads)
-
-    return ModelOps(
-        rms_norm=norm_act.rms_norm,
-        silu_and_mul=norm_act.silu_and_mul,
-        rotary_store=_rotary_store,
-        linear=linear,
-        norm_linear=norm_linear,
-        act_linear=act_linear,
-        norm_qkv_rotary_store=norm_qkv_rotary_store,
-    )
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if skinny_gemm.supports(x, weight, bias):
+        return skinny_gemm.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
-TRITON_OPS = triton_ops()
+# The ops in turn: what the fused ops below run where their kernels do not apply (more rows).
+_norm_linear_in_turn = compose_norm_linear(norm_act.rms_norm, linear)
+_act_linear_in_turn = compose_act_linear(norm_act.silu_and_mul, linear)
+
+
+def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if fused_gemv.supports(h, weight, bias):
+        return fused_gemv.norm_linear(h, residual, norm_weight, eps, weight, bias)
+    return _norm_linear_in_turn(h, residual, norm_weight, eps, weight, bias)
+
+
+def act_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    if fused_gemv.supports(gate_up, weight, bias):
+        return fused_gemv.act_linear(gate_up, weight, bias)
+    return _act_linear_in_turn(gate_up, weight, bias)
+
+
+_qkv_in_turn = compose_norm_qkv_rotary_store(norm_linear, rotary_store)
+
+
+def norm_qkv_rotary_store(h: torch.Tensor, residual: torch.Tensor | None,
+                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor | None, positions: torch.Tensor,
+                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, backend: AttentionBackend,
+                          heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+    if fused_qkv.supports_qkv(h, weight, bias, *heads):
+        return fused_qkv.norm_qkv_rotary_store(
+            h, residual, norm_weight, eps, weight, bias, positions, cos_sin, k_cache,
+            v_cache, meta.slot_mapping, heads[0])
+    return _qkv_in_turn(h, residual, norm_weight, eps, weight, bias, positions, cos_sin,
+                        k_cache, v_cache, meta, backend, heads)
+
+
+TRITON_OPS = ModelOps(
+    rms_norm=norm_act.rms_norm,
+    silu_and_mul=norm_act.silu_and_mul,
+    rotary_store=rotary_store,
+    linear=linear,
+    norm_linear=norm_linear,
+    act_linear=act_linear,
+    norm_qkv_rotary_store=norm_qkv_rotary_store,
+)
