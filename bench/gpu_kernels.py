@@ -27,7 +27,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kernels import reference
+from kernels import torch_ops
 from kernels.argmax import argmax_rows
 from kernels.block_copy import CopyConfig, copy_blocks
 from kernels.decode_attention import (
@@ -124,7 +124,7 @@ class DecodeCase:
         if self.batch * self.ctx > 131072:
             return None  # the reference's gathered copy would dwarf the rest
         self.call(0, splits, None, cfg)
-        ref = reference.paged_attention_decode(self.q.float(), self.k, self.v, self.tables[0],
+        ref = torch_ops.paged_attention_decode(self.q.float(), self.k, self.v, self.tables[0],
                                                self.seq_lens, D ** -0.5)
         return ((self.out.float() - ref).norm() / ref.norm()).item()
 
@@ -230,7 +230,7 @@ def block_copy_bench(copy_tb_s: float) -> list[dict]:
                      "ms": ms, "tb_s": moved / ms / 1e9, "frac_copy": moved / ms / 1e9 /
                      copy_tb_s})
     want = dst.clone()
-    reference.copy_blocks(src, want, src_ids, dst_ids)
+    torch_ops.copy_blocks(src, want, src_ids, dst_ids)
     assert torch.equal(dst, want), "block copy differs from the reference"
     return rows
 

@@ -52,7 +52,7 @@ def copy_blocks(src: torch.Tensor,        # [..., num_blocks_src, block_size, kv
                 block_dim: int = -4,
                 *,
                 config: CopyConfig | None = None) -> None:
-    """Same effect as reference.copy_blocks: dst[..., dst_ids[i], ...] = src[..., src_ids[i],
+    """Same effect as torch_ops.copy_blocks: dst[..., dst_ids[i], ...] = src[..., src_ids[i],
     ...]. Ids must be in range and dst_ids distinct; src and dst may be the same pool if no id
     is both read and written."""
     config = config or CopyConfig()

@@ -38,11 +38,6 @@ def check_tensor(name: str, t: torch.Tensor, *, dim: int | None = None,
         raise ValueError(f"{name}: the last dimension must be contiguous (stride {t.stride(-1)})")
 
 
-def check_same_dtype(names: str, *tensors: torch.Tensor) -> None:
-    if len({t.dtype for t in tensors}) != 1:
-        raise ValueError(f"{names}: dtypes differ: {[t.dtype for t in tensors]}")
-
-
 @functools.cache
 def multiprocessors(device: torch.device) -> int | None:
     """The CUDA device's multiprocessor count; None elsewhere (the interpreter), where each

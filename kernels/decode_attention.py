@@ -282,7 +282,7 @@ def paged_attention_decode(
     workspace: DecodeWorkspace | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:               # [B, heads, head_dim]
-    """Same result as reference.paged_attention_decode. For CUDA graphs pass `out`, a
+    """Same result as torch_ops.paged_attention_decode. For CUDA graphs pass `out`, a
     `workspace` allocated beforehand and a fixed `num_splits` (the workspace's by default, at
     most its capacity). Without a workspace, a split launch allocates one (with fused_merge
     that includes zeroing its tickets: one more device op). `config`: DecodeConfig.for_batch

@@ -147,7 +147,7 @@ def paged_attention_extend(
     out: torch.Tensor | None = None,  # [T, heads, head_dim], q's dtype
     config: ExtendConfig | None = None,
 ) -> torch.Tensor:                  # [T, heads, head_dim]
-    """Same result as reference.paged_attention_extend, without a device sync. Rows of q past
+    """Same result as torch_ops.paged_attention_extend, without a device sync. Rows of q past
     query_start_loc[B] (padding) are left unwritten."""
     config = config or ExtendConfig()
     dev = q.device

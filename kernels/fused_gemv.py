@@ -17,7 +17,7 @@ with v = h + residual (rounded to h's dtype, as the unfused add stores it), g th
 rstd = 1 / sqrt(mean(v^2) + eps) from the same K loop. Rounding: the unfused path rounds v * rstd
 and then (v * rstd) * g to h's dtype before the matmul; this path keeps them in float32 and rounds
 once, at the output (so it is the more exact of the two; they differ by about one bf16 ulp of the
-activations). act_linear rounds exactly where reference.silu_and_mul does, so it matches the
+activations). act_linear rounds exactly where torch_ops.silu_and_mul does, so it matches the
 unfused path bit for bit up to the float32 summation order.
 
 Program 0 alone writes the new residual (every program reads the old one, so it cannot be

@@ -1,7 +1,7 @@
 """Write new tokens' K/V into the paged pool by slot mapping, optionally applying rotary first.
 
 Slot s is row s % block_size of block s // block_size; negative slots (padding) are skipped.
-`rotary_store_kv` fuses reference.apply_rotary (neox rotate-half; the cos/sin cache is already
+`rotary_store_kv` fuses torch_ops.apply_rotary (neox rotate-half; the cos/sin cache is already
 scaled, e.g. llama3) with the store: it rotates k on its way into the cache and writes the rotated
 q, so the new K is never materialised unrotated-then-rotated in device memory. One program per
 token handles all of its heads.
@@ -119,7 +119,7 @@ def store_kv(key: torch.Tensor,          # [T, kv_heads, head_dim]
              v_cache: torch.Tensor,      # [num_blocks, block_size, kv_heads, head_dim]
              slot_mapping: torch.Tensor  # [T] int64; negative slots are skipped (padding)
              ) -> None:
-    """Same effect as reference.store_kv. Slots must be < num_blocks * block_size."""
+    """Same effect as torch_ops.store_kv. Slots must be < num_blocks * block_size."""
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     t, kvh, d = key.shape
     if t == 0:
@@ -145,7 +145,7 @@ def rotary_store_kv(q: torch.Tensor,             # [T, heads, head_dim]
                     *,
                     q_out: torch.Tensor | None = None,  # [T, heads, head_dim]; may be q itself
                     ) -> torch.Tensor:           # rotated q: [T, heads, head_dim]
-    """reference.apply_rotary(q, key) then reference.store_kv(rotated key, value), in one pass.
+    """torch_ops.apply_rotary(q, key) then torch_ops.store_kv(rotated key, value), in one pass.
     Returns the rotated q (all rows, padding included); the rotated key only goes to the cache."""
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     dev = key.device

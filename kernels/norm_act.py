@@ -1,6 +1,6 @@
 """Fused RMSNorm (with the residual add of a pre-norm block) and SiLU-and-mul.
 
-Both round where reference.rms_norm / reference.silu_and_mul round: x + residual in x's dtype;
+Both round where torch_ops.rms_norm / torch_ops.silu_and_mul round: x + residual in x's dtype;
 the normalised row in x's dtype before a same-dtype weight multiplies it; silu(gate) in x's dtype
 before the product with up.
 """
@@ -76,7 +76,7 @@ def rms_norm(x: torch.Tensor,                   # [..., hidden]
              out: torch.Tensor | None = None,            # [..., hidden], x's dtype
              residual_out: torch.Tensor | None = None,   # [..., hidden]; may be residual
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same as reference.rms_norm: (normed, new_residual). With a residual, x + residual is
+    """Same as torch_ops.rms_norm: (normed, new_residual). With a residual, x + residual is
     normed and also written to residual_out (a new tensor unless given); without, the new
     residual is x itself."""
     dev = x.device
@@ -107,7 +107,7 @@ def rms_norm(x: torch.Tensor,                   # [..., hidden]
 def silu_and_mul(x: torch.Tensor,                      # [..., 2 * n]: gate | up
                  *, out: torch.Tensor | None = None,  # [..., n], x's dtype
                  ) -> torch.Tensor:                    # [..., n]
-    """Same as reference.silu_and_mul: silu(gate) * up."""
+    """Same as torch_ops.silu_and_mul: silu(gate) * up."""
     x2 = _rows("x", x)
     if x.shape[-1] % 2:
         raise ValueError(f"x: last dimension {x.shape[-1]} is not 2 * n")

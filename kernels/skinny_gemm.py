@@ -186,7 +186,7 @@ def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
                   bias: torch.Tensor | None = None,  # [N], x's dtype
                   *, config: SkinnyConfig | None = None,
                   ) -> torch.Tensor:                 # [M, N], x's dtype
-    """Same as reference.linear (F.linear with float32 accumulation); see supports() for when
+    """Same as torch_ops.linear (F.linear with float32 accumulation); see supports() for when
     it beats cuBLAS. Allocates the output, and with split_k > 1 a float32 workspace."""
     dev = x.device
     check_tensor("x", x, dim=2, dtypes=FLOAT_DTYPES)

@@ -27,7 +27,7 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Executes paged attention for one layer. Implementations: "torch" (batched plain torch with
-    kernels.reference's semantics, the CPU path) and "triton" (kernels' Triton kernels, the CUDA
+    kernels.torch_ops's semantics, the CPU path) and "triton" (kernels' Triton kernels, the CUDA
     path). The cache tensors and metadata are passed in; the backend never allocates cache
     memory itself (the torch one keeps only the gather plan of the step's metadata object)."""
 

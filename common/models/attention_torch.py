@@ -1,5 +1,5 @@
 """The "torch" attention backend, the CPU serving path: batched plain-torch attention over the
-paged pool, with the semantics of kernels.reference (the tests compare the two).
+paged pool, with the semantics of kernels.torch_ops (the tests compare the two).
 
 A step is attended in a few large calls instead of one per sequence: its sequences are grouped
 (see `_groups`) into padded batches, each one masked scaled_dot_product_attention of
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from common.models.attention import AttentionBackend, AttentionMetadata
-from kernels import reference
+from kernels import torch_ops
 
 # A batch may do at most this many times the attention work (query x key pairs) of its sequences
 # attended one by one: one call for several sequences is cheaper than a call each.
@@ -121,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        torch_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def _step_plan(self, meta: AttentionMetadata, block_size: int,
                    dtype: torch.dtype) -> list[_Batch]:

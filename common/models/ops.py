@@ -1,7 +1,7 @@
 """The ops a model layer calls (the element-wise ones and the projections' matmul), gathered so
 that a device path can swap them.
 
-The default is kernels.reference and F.linear (plain torch, the CPU path); the CUDA path uses
+The default is kernels.torch_ops and F.linear (plain torch, the CPU path); the CUDA path uses
 common.models.ops_triton.TRITON_OPS, built from kernels' Triton kernels with the same signatures
 and semantics.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.models.attention import AttentionBackend, AttentionMetadata
-from kernels import reference
+from kernels import torch_ops
 
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
                    tuple[torch.Tensor, torch.Tensor]]
@@ -96,19 +96,19 @@ def reference_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            positions: torch.Tensor, cos_sin: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            backend: AttentionBackend) -> torch.Tensor:
-    q, k = reference.apply_rotary(q, k, positions, cos_sin)
+    q, k = torch_ops.apply_rotary(q, k, positions, cos_sin)
     backend.store_kv(k, v, k_cache, v_cache, meta)
     return q
 
 
-_reference_norm_linear = compose_norm_linear(reference.rms_norm, F.linear)
+_reference_norm_linear = compose_norm_linear(torch_ops.rms_norm, F.linear)
 REFERENCE_OPS = ModelOps(
-    rms_norm=reference.rms_norm,
-    silu_and_mul=reference.silu_and_mul,
+    rms_norm=torch_ops.rms_norm,
+    silu_and_mul=torch_ops.silu_and_mul,
     rotary_store=reference_rotary_store,
     linear=F.linear,
     norm_linear=_reference_norm_linear,
-    act_linear=compose_act_linear(reference.silu_and_mul, F.linear),
+    act_linear=compose_act_linear(torch_ops.silu_and_mul, F.linear),
     norm_qkv_rotary_store=compose_norm_qkv_rotary_store(_reference_norm_linear,
                                                         reference_rotary_store),
 )

@@ -1,5 +1,5 @@
 """The rotary-embedding table: cos/sin of every position, with optional Llama-3 frequency
-scaling, in the layout kernels.reference.apply_rotary reads."""
+scaling, in the layout kernels.torch_ops.apply_rotary reads."""
 
 from __future__ import annotations
 

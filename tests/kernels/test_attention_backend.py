@@ -9,7 +9,7 @@ import torch
 
 from common.models.attention import AttentionMetadata
 from common.models.attention_triton import TritonAttentionBackend
-from kernels import reference
+from kernels import torch_ops
 
 STEPS = [
     # device, (q_lens, prefixes): the first 3 sequences decode one token each
@@ -53,9 +53,9 @@ def test_mixed_step(device, q_lens, prefixes, heads, kv_heads, head_dim, block_s
     backend.store_kv(k, v, k_cache, v_cache, meta)
     out = backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
 
-    reference.store_kv(k, v, k_ref, v_ref, meta.slot_mapping)
+    torch_ops.store_kv(k, v, k_ref, v_ref, meta.slot_mapping)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    want = reference.paged_attention_extend(q.float(), k_ref.float(), v_ref.float(), tables,
+    want = torch_ops.paged_attention_extend(q.float(), k_ref.float(), v_ref.float(), tables,
                                             meta.query_start_loc, meta.seq_lens,
                                             head_dim ** -0.5)
     check_rel(out.float(), want, tol)

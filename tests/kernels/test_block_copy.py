@@ -1,11 +1,11 @@
-"""kernels.block_copy against reference.copy_blocks (exact)."""
+"""kernels.block_copy against torch_ops.copy_blocks (exact)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
+from kernels import torch_ops
 from kernels.block_copy import copy_blocks, copy_listed_blocks
 
 BF16 = torch.bfloat16
@@ -27,7 +27,7 @@ def test_between_pools(device: str, shape: tuple, n: int, dtype: torch.dtype) ->
     src_ids = torch.randperm(shape[2], device=device)[:n]
     dst_ids = torch.randperm(dst_shape[2], device=device)[:n]
     want = dst.clone()
-    reference.copy_blocks(src, want, src_ids, dst_ids)
+    torch_ops.copy_blocks(src, want, src_ids, dst_ids)
     copy_blocks(src, dst, src_ids, dst_ids)
     assert torch.equal(dst, want)
 
@@ -39,7 +39,7 @@ def test_copy_on_write_within_one_pool(device: str, shape: tuple, n: int,
     ids = torch.randperm(shape[2], device=device)
     src_ids, dst_ids = ids[:n], ids[n:2 * n]
     want = pool.clone()
-    reference.copy_blocks(want.clone(), want, src_ids, dst_ids)
+    torch_ops.copy_blocks(want.clone(), want, src_ids, dst_ids)
     copy_blocks(pool, pool, src_ids, dst_ids)
     assert torch.equal(pool, want)
 
@@ -50,7 +50,7 @@ def test_one_layer_cache_block_dim_0(device: str) -> None:
     dst = torch.randn_like(src.float()).to(src.dtype)
     ids = torch.tensor([6, 0, 3], device=device)
     want = dst.clone()
-    reference.copy_blocks(src, want, ids, ids.flip(0), block_dim=0)
+    torch_ops.copy_blocks(src, want, ids, ids.flip(0), block_dim=0)
     copy_blocks(src, dst, ids, ids.flip(0), block_dim=0)
     assert torch.equal(dst, want)
 
@@ -74,7 +74,7 @@ def test_listed_ids_from_the_host(device: str) -> None:
     src = torch.randn(2, 2, 9, 4, 2, 16, device=device)
     dst = torch.randn(2, 2, 6, 4, 2, 16, device=device)
     want = dst.clone()
-    reference.copy_blocks(src, want, torch.tensor([8, 0, 3], device=device),
+    torch_ops.copy_blocks(src, want, torch.tensor([8, 0, 3], device=device),
                           torch.tensor([1, 5, 2], device=device), block_dim=2)
     copy_listed_blocks(src, dst, [8, 0, 3], [1, 5, 2], block_dim=2)
     assert torch.equal(dst, want)

@@ -1,4 +1,4 @@
-"""kernels.decode_attention against reference.paged_attention_decode, both ways of merging the
+"""kernels.decode_attention against torch_ops.paged_attention_decode, both ways of merging the
 splits (a second launch, or the last split's program through an atomic ticket)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import decode_attention, reference
+from kernels import decode_attention, torch_ops
 from kernels.decode_attention import DecodeConfig, DecodeWorkspace, paged_attention_decode
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -67,7 +67,7 @@ MERGES = [pytest.param(False, id="two-launch"), pytest.param(True, id="fused")]
 
 
 def _reference(q, k_cache, v_cache, tables, seq_lens, scale):
-    return reference.paged_attention_decode(q.float(), k_cache.float(), v_cache.float(),
+    return torch_ops.paged_attention_decode(q.float(), k_cache.float(), v_cache.float(),
                                             tables, seq_lens, scale)
 
 

@@ -1,4 +1,4 @@
-"""kernels.extend_attention against reference.paged_attention_extend."""
+"""kernels.extend_attention against torch_ops.paged_attention_extend."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import reference
+from kernels import torch_ops
 from kernels.extend_attention import ExtendConfig, paged_attention_extend
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -68,7 +68,7 @@ def test_matches_reference(device: str, case: Case, make_paged, check_rel) -> No
     got = paged_attention_extend(q, k_cache, v_cache, tables, qsl, seq_lens, scale, out=out,
                                  config=ExtendConfig(block_m=case.block_m, block_n=case.block_n))
     assert got is out
-    ref = reference.paged_attention_extend(q[:t].float(), k_cache.float(), v_cache.float(),
+    ref = torch_ops.paged_attention_extend(q[:t].float(), k_cache.float(), v_cache.float(),
                                            tables, qsl, seq_lens, scale)
     check_rel(out[:t].float(), ref, 1e-5 if case.dtype == F32 else 1e-2)
     assert out[t:].isnan().all()

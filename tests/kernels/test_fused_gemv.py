@@ -1,5 +1,5 @@
-"""kernels.fused_gemv against the unfused reference ops (reference.rms_norm / silu_and_mul, then
-reference.linear), on the interpreter (CPU) and on real Llama-3-8B shapes (GPU)."""
+"""kernels.fused_gemv against the unfused reference ops (torch_ops.rms_norm / silu_and_mul, then
+torch_ops.linear), on the interpreter (CPU) and on real Llama-3-8B shapes (GPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.models.ops import REFERENCE_OPS
-from kernels import reference
+from kernels import torch_ops
 from kernels.fused_gemv import act_linear, norm_linear, supports
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -25,8 +25,8 @@ def _weights(n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
 
 
 def _want_norm(h, residual, g, w, b):
-    x, new_res = reference.rms_norm(h, g, EPS, residual)
-    return reference.linear(x, w, b), new_res
+    x, new_res = torch_ops.rms_norm(h, g, EPS, residual)
+    return torch_ops.linear(x, w, b), new_res
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -68,7 +68,7 @@ def test_act_linear(device: str, n: int, k: int, dtype: torch.dtype, bias: bool,
     gate_up = (torch.randn(1, 2 * k, device=device) * 2).to(dtype)
     w, b = _weights(n, k, dtype, device, bias)
     out = act_linear(gate_up, w, b)
-    want = reference.linear(reference.silu_and_mul(gate_up), w, b)
+    want = torch_ops.linear(torch_ops.silu_and_mul(gate_up), w, b)
     assert out.shape == (1, n) and out.dtype == dtype
     # Same roundings as the unfused ops (on the GPU; the interpreter's bf16 conversion
     # truncates): only the float32 summation order differs.
@@ -81,11 +81,11 @@ def test_reference_ops_compose() -> None:
     h, res = torch.randn(3, 32), torch.randn(3, 32)
     g, w = torch.randn(32), torch.randn(16, 32)
     out, new_res = REFERENCE_OPS.norm_linear(h, res, g, EPS, w, None)
-    x, want_res = reference.rms_norm(h, g, EPS, res)
+    x, want_res = torch_ops.rms_norm(h, g, EPS, res)
     assert torch.equal(out, torch.nn.functional.linear(x, w)) and torch.equal(new_res, want_res)
     gate_up = torch.randn(3, 64)
     assert torch.equal(REFERENCE_OPS.act_linear(gate_up, w, None),
-                       torch.nn.functional.linear(reference.silu_and_mul(gate_up), w))
+                       torch.nn.functional.linear(torch_ops.silu_and_mul(gate_up), w))
 
 
 def test_rejects_bad_arguments() -> None:

@@ -1,11 +1,11 @@
-"""kernels.kv_store against reference.store_kv and reference.apply_rotary."""
+"""kernels.kv_store against torch_ops.store_kv and torch_ops.apply_rotary."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
+from kernels import torch_ops
 from kernels.kv_store import rotary_store_kv, store_kv
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -43,7 +43,7 @@ def _cos_sin(max_pos: int, d: int, device: str) -> torch.Tensor:
 def test_store_kv_exact(device: str, shape: tuple) -> None:
     key, value, k_cache, v_cache, slots = _inputs(shape, device)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    reference.store_kv(key, value, k_ref, v_ref, slots)
+    torch_ops.store_kv(key, value, k_ref, v_ref, slots)
     store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)
@@ -56,9 +56,9 @@ def test_rotary_store_kv(device: str, shape: tuple, check_rel) -> None:
     q = torch.randn(t, h, d, device=device).to(key.dtype)
     positions = torch.randint(0, 4096, (t,), device=device)
     cos_sin = _cos_sin(4096, d, device)
-    q_ref, k_rot = reference.apply_rotary(q, key, positions, cos_sin)
+    q_ref, k_rot = torch_ops.apply_rotary(q, key, positions, cos_sin)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    reference.store_kv(k_rot, value, k_ref, v_ref, slots)
+    torch_ops.store_kv(k_rot, value, k_ref, v_ref, slots)
 
     q_out = torch.full_like(q, float("nan"))
     assert rotary_store_kv(q, key, value, positions, cos_sin, k_cache, v_cache, slots,
@@ -80,7 +80,7 @@ def test_rotary_in_place_q(device: str) -> None:
     q = torch.randn(5, 4, 16, device=device)
     positions = torch.arange(5, device=device)
     cos_sin = _cos_sin(8, 16, device)
-    q_ref, _ = reference.apply_rotary(q, key, positions, cos_sin)
+    q_ref, _ = torch_ops.apply_rotary(q, key, positions, cos_sin)
     rotary_store_kv(q, key, value, positions, cos_sin, k_cache, v_cache, slots, q_out=q)
     assert torch.allclose(q, q_ref, rtol=1e-6, atol=1e-6)
 

@@ -1,11 +1,11 @@
-"""kernels.norm_act against reference.rms_norm and reference.silu_and_mul."""
+"""kernels.norm_act against torch_ops.rms_norm and torch_ops.silu_and_mul."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
+from kernels import torch_ops
 from kernels.norm_act import rms_norm, silu_and_mul
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -30,7 +30,7 @@ def test_rms_norm_with_residual(device, lead, hidden, dtype, w_dtype, check_rel)
     x = torch.randn(*lead, hidden, device=device).to(dtype)
     residual = torch.randn(*lead, hidden, device=device).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(w_dtype)
-    want, want_res = reference.rms_norm(x, weight, 1e-5, residual)
+    want, want_res = torch_ops.rms_norm(x, weight, 1e-5, residual)
     out = torch.full_like(x, float("nan"))
     res_out = torch.full_like(x, float("nan"))
     got, got_res = rms_norm(x, weight, 1e-5, residual, out=out, residual_out=res_out)
@@ -43,7 +43,7 @@ def test_rms_norm_with_residual(device, lead, hidden, dtype, w_dtype, check_rel)
 def test_rms_norm_without_residual(device, lead, hidden, dtype, w_dtype, check_rel) -> None:
     x = torch.randn(*lead, hidden, device=device).to(dtype)
     weight = torch.randn(hidden, device=device).to(w_dtype)
-    want, _ = reference.rms_norm(x, weight, 1e-6)
+    want, _ = torch_ops.rms_norm(x, weight, 1e-6)
     got, res = rms_norm(x, weight, 1e-6)
     assert res is x
     check_rel(got.float(), want.float(), _tol(dtype))
@@ -54,7 +54,7 @@ def test_rms_norm_residual_in_place(device: str, check_rel) -> None:
     x = torch.randn(6, 48, device=device)
     residual = torch.randn(6, 48, device=device)
     weight = torch.randn(48, device=device)
-    want, want_res = reference.rms_norm(x, weight, 1e-6, residual.clone())
+    want, want_res = torch_ops.rms_norm(x, weight, 1e-6, residual.clone())
     got, got_res = rms_norm(x, weight, 1e-6, residual, residual_out=residual)
     assert got_res is residual and torch.equal(residual, want_res)
     check_rel(got, want, 1e-6)
@@ -72,7 +72,7 @@ def test_silu_and_mul(device, lead, n, dtype, check_rel) -> None:
     x = torch.randn(*lead, 2 * n, device=device).to(dtype)
     out = torch.full((*lead, n), float("nan"), device=device, dtype=dtype)
     assert silu_and_mul(x, out=out) is out
-    check_rel(out.float(), reference.silu_and_mul(x).float(), _tol(dtype))
+    check_rel(out.float(), torch_ops.silu_and_mul(x).float(), _tol(dtype))
 
 
 def test_rejects_bad_arguments() -> None:

@@ -1,11 +1,11 @@
-"""kernels.skinny_gemm against reference.linear computed in float32."""
+"""kernels.skinny_gemm against torch_ops.linear computed in float32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
+from kernels import torch_ops
 from kernels.skinny_gemm import MAX_M, SkinnyConfig, default_config, skinny_linear, supports
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -26,7 +26,7 @@ def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
 
 
 def _want(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return reference.linear(x.float(), w.float(), None if b is None else b.float())
+    return torch_ops.linear(x.float(), w.float(), None if b is None else b.float())
 
 
 @pytest.mark.parametrize("device", DEVICES)

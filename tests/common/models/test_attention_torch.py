@@ -8,7 +8,7 @@ import torch
 
 from common.models.attention import AttentionMetadata
 from common.models.attention_torch import MAX_PADDING, TorchAttentionBackend, _groups
-from kernels import reference
+from kernels import torch_ops
 
 HEADS, KV_HEADS, D, BS, NB = 4, 2, 16, 4, 32
 
@@ -45,7 +45,7 @@ def test_mixed_step_equals_each_sequence_alone():
     out = backend.forward(q, k_cache, v_cache, meta, scale=0.25)
     for b in range(len(q_lens)):
         s, e = int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1])
-        alone = reference.paged_attention_extend(
+        alone = torch_ops.paged_attention_extend(
             q[s:e], k_cache, v_cache, meta.block_tables[b:b + 1],
             torch.tensor([0, e - s], dtype=torch.int32), meta.seq_lens[b:b + 1], 0.25)
         torch.testing.assert_close(out[s:e], alone, atol=1e-5, rtol=1e-5)
@@ -60,7 +60,7 @@ def test_decode_only_and_extend_only_steps():
     q = torch.randn(3, HEADS, D, generator=gen)
     torch.testing.assert_close(
         backend.forward(q, k_cache, v_cache, decode, 0.25),
-        reference.paged_attention_extend(q, k_cache, v_cache, decode.block_tables,
+        torch_ops.paged_attention_extend(q, k_cache, v_cache, decode.block_tables,
                                          decode.query_start_loc, decode.seq_lens, 0.25),
         atol=1e-5, rtol=1e-5)
     # One-token chunks that are not flagged as decodes take the extend path: same answer.
@@ -114,19 +114,19 @@ def test_batched_step_equals_reference_oracle(heads, kv_heads, block_size, q_len
                                       block_size, seed=len(q_lens) + heads + block_size)
     backend = TorchAttentionBackend()
     out = backend.forward(q, k_cache, v_cache, meta, scale=0.3)
-    want = reference.paged_attention_extend(q, k_cache, v_cache, meta.block_tables,
+    want = torch_ops.paged_attention_extend(q, k_cache, v_cache, meta.block_tables,
                                             meta.query_start_loc, meta.seq_lens, 0.3)
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     # The second layer of the step reuses the plan; a new step (metadata object) gets its own.
     torch.testing.assert_close(backend.forward(q * 2, k_cache, v_cache, meta, 0.3),
-                               reference.paged_attention_extend(
+                               torch_ops.paged_attention_extend(
                                    q * 2, k_cache, v_cache, meta.block_tables,
                                    meta.query_start_loc, meta.seq_lens, 0.3),
                                atol=1e-5, rtol=1e-5)
     fewer = _step(q_lens[:1], ctx_lens[:1], min(num_decodes, 1), heads, kv_heads, block_size, 7)
     torch.testing.assert_close(backend.forward(fewer[1], fewer[2], fewer[3], fewer[0], 0.3),
-                               reference.paged_attention_extend(
+                               torch_ops.paged_attention_extend(
                                    fewer[1], fewer[2], fewer[3], fewer[0].block_tables,
                                    fewer[0].query_start_loc, fewer[0].seq_lens, 0.3),
                                atol=1e-5, rtol=1e-5)

@@ -1,6 +1,5 @@
-"""Plain-torch reference ops for paged attention and friends.
-
-They define the semantics the Triton kernels must match, and they are the CPU execution path.
+"""The plain-torch ops for paged attention and friends: the CPU execution path, and the
+reference whose semantics every Triton kernel must match (the kernel tests compare the two).
 Layout of one layer's cache: k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim].
 A token at position p of a sequence lives in slot block_table[p // block_size] * block_size +
 p % block_size.
