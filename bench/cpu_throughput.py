@@ -27,6 +27,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build, leaf
 from common.models.ops_onednn import resolve_cpu_linear
 
 
@@ -99,12 +100,12 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
-    ap.add_argument("--cpu-linear", default=EngineConfig().cpu_linear,
-                    help=EngineConfig.HELP["cpu_linear"])
+    cpu_linear = leaf(EngineConfig, "cpu_linear")
+    ap.add_argument("--cpu-linear", default=cpu_linear.default, help=cpu_linear.help)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(num_kv_blocks=4096,
+    engine = LLMEngine(build(EngineConfig, num_kv_blocks=4096,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     cpu_linear=args.cpu_linear))
     mc = engine.model_config
@@ -113,7 +114,7 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(
-            resolve_model(engine.config.model, engine.config.model_cache_dir),
+            resolve_model(engine.config.model.name, engine.config.model.model_cache_dir),
             dtype=torch.float32).eval()
     load_before = os.getloadavg()
     rate = gemm_gflops(mc.hidden_size, mc.intermediate_size)

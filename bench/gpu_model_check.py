@@ -36,6 +36,7 @@ from common.engine.core.sequence import Sequence
 from common.engine.cuda_runner import CudaGraphRunner
 from common.engine.engine import LLMEngine
 from common.engine.sampler import DeviceSample, Sampler
+from common.flags import build
 from common.models.llama import LlamaModel
 from common.models.model_config import ModelConfig
 
@@ -120,7 +121,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     lengths = [int(x) for x in args.lengths.split(",")]
-    engine = build_engine(EngineConfig(
+    engine = build_engine(build(EngineConfig,
         model=f"dummy:{args.shape}", dtype="bfloat16", device=args.device, num_kv_blocks=1024,
         max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048))
     mc = engine.model_config

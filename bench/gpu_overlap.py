@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from common.engine.config import EngineConfig
 from common.engine.cuda_runner import CudaGraphRunner
 from common.engine.engine import LLMEngine
+from common.flags import build
 from common.models.attention import AttentionMetadata
 from common.models.attention_triton import TritonAttentionBackend
 from kernels.decode_attention import DecodeConfig, DecodeWorkspace, default_num_splits
@@ -200,7 +201,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--num-kv-blocks", type=int, default=45000)
     args = ap.parse_args()
-    config = EngineConfig(model=f"dummy:{args.shape}", dtype="bfloat16", device="cuda",
+    config = build(EngineConfig, model=f"dummy:{args.shape}", dtype="bfloat16", device="cuda",
                           num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batch),
                           max_num_batched_tokens=max(args.batch), max_model_len=2048,
                           cuda_graph_prefill_tokens=0)

@@ -27,11 +27,12 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from splitserve.loadgen.datasets import random_lengths, shared_prefix
 
 
 def make_engine(prefix_caching: bool, num_kv_blocks: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(num_kv_blocks=num_kv_blocks,
+    return LLMEngine(build(EngineConfig, num_kv_blocks=num_kv_blocks,
                                   enable_prefix_caching=prefix_caching))
 
 
@@ -102,7 +103,7 @@ def main() -> None:
 
     on, off = make_engine(True, args.num_kv_blocks), make_engine(False, args.num_kv_blocks)
     vocab = on.model_config.vocab_size
-    print(f"{torch.get_num_threads()} torch threads; block size {on.config.block_size}")
+    print(f"{torch.get_num_threads()} torch threads; block size {on.config.cache.block_size}")
 
     # 1. TTFT, shared system prompt.
     n = args.ttft_requests

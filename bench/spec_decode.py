@@ -26,6 +26,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build, leaf
 
 CODE = [
     ("rename the function `area` to `rectangle_area`",
@@ -164,17 +165,17 @@ def main() -> None:
                     help="prompts run one at a time for batch 1 (of the 16)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens)
-    ap.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min)
-    ap.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max)
+    ap.add_argument("--num-speculative-tokens", type=int, default=defaults.speculative.num_tokens)
+    ap.add_argument("--prompt-lookup-min", type=int, default=defaults.speculative.prompt_lookup_min)
+    ap.add_argument("--prompt-lookup-max", type=int, default=defaults.speculative.prompt_lookup_max)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1 is fastest on a CPU shared with other work)")
-    ap.add_argument("--cpu-linear", default=defaults.cpu_linear,
-                    help=EngineConfig.HELP["cpu_linear"])
+    ap.add_argument("--cpu-linear", default=defaults.model.cpu_linear,
+                    help=leaf(EngineConfig, "cpu_linear").help)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine(build(EngineConfig,
         speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         num_kv_blocks=1024, max_num_batched_tokens=4096, enable_prefix_caching=False,

@@ -44,7 +44,7 @@ import grpc
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
-from common.registry import BlockRegistry, EmbeddedRedis
+from common.registry import EmbeddedRedis, Registry
 from common.registry.embedded import free_port
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from splitserve.launch import service_argv, start_service, stop_services
@@ -127,7 +127,7 @@ def latencies(runs: list[list[float]]) -> tuple[list[float], list[float]]:
 
 def start_stack(args: argparse.Namespace, log_dir: Path):
     redis = EmbeddedRedis()
-    registry = BlockRegistry(redis.url, "bench")
+    registry = Registry(redis.url, "bench")
     flags = ["--num-kv-blocks", str(args.num_kv_blocks), *shlex.split(args.engine_flags)]
     port = free_port()
     args.decode_metrics_port = free_port()

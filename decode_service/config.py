@@ -4,20 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.flags import opt
 from common.serving.instance import InstanceConfig
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeConfig(InstanceConfig):
-    pull_timeout_s: float = 30.0
-    lease_renew_s: float = 10.0
-
-    HELP = {
-        **InstanceConfig.HELP,
-        "pull_timeout_s": "longest a KV pull from a prefill service may take",
-        "lease_renew_s": "while pulling a handoff, its lease is set to this long every third "
-                         "of it, so a long pull outlives the prefill side's lease",
-    }
+class DecodeServiceConfig(InstanceConfig):
+    pull_timeout_s: float = opt(30.0, "longest a KV pull from a prefill service may take")
+    lease_renew_s: float = opt(10.0, "while pulling a handoff, its lease is set to this long "
+                               "every third of it, so a long pull outlives the prefill side's "
+                               "lease")
 
     def __post_init__(self) -> None:
         InstanceConfig.__post_init__(self)

@@ -18,8 +18,8 @@ from typing import Any
 import redis
 
 from common.errors import TransferError
-from common.kv_transport import KVReceiver
-from common.registry import BlockRegistry
+from common.kv_transport.select import KVReceiver
+from common.registry import Registry
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import DecodeMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
@@ -33,7 +33,7 @@ class HandoffFailed(Exception):
 
 
 class HandoffPuller:
-    def __init__(self, registry: BlockRegistry, loop: EngineLoop, instance_id: str,
+    def __init__(self, registry: Registry, loop: EngineLoop, instance_id: str,
                  timeout_s: float, metrics: DecodeMetrics, lease_renew_s: float = 10.0,
                  tls: TlsConfig = PLAINTEXT):
         """tls: this service's TlsConfig; grpc pulls dial prefill services with it."""

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.registry import BlockRegistry
+from common.registry import Registry
 from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
-from decode_service.config import DecodeConfig
+from decode_service.config import DecodeServiceConfig
 from decode_service.handoff import HandoffPuller
 from decode_service.servicer import DecodeServicer
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
@@ -21,14 +20,14 @@ from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 log = logging.getLogger("splitserve.decode")
 
 
-async def serve(config: DecodeConfig, engine_config: EngineConfig,
+async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
                 tls: TlsConfig = PLAINTEXT) -> None:
-    registry = BlockRegistry(config.registry_url, config.registry_namespace)
+    registry = Registry(config.registry.url, config.registry.namespace)
     registry.ping()  # an unreachable registry fails start-up, before the model loads
     engine = LLMEngine(engine_config)
-    server = GrpcServer(config.host, config.port, tls=tls)
+    server = GrpcServer(config.server.host, config.port, tls=tls)
     instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
-    metrics = DecodeMetrics(engine.model_name, config.slo, instance.engine_stats)
+    metrics = DecodeMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
     puller = HandoffPuller(registry, instance.loop, instance.instance_id, config.pull_timeout_s,
                            metrics, config.lease_renew_s, tls=tls)
     server.add(Service(DecodeServicer(instance, puller, metrics),
@@ -36,24 +35,14 @@ async def serve(config: DecodeConfig, engine_config: EngineConfig,
                        service_name(decode_pb2, "Decode")))
     await server.start()
     instance.start()
-    metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port \
-        else None
+    listen = config.server
+    metrics_server = metrics.serve(listen.host, listen.metrics_port) if listen.metrics_port else None
     maintain = asyncio.create_task(_maintain(instance, config.stats_interval_s))
     try:
         await wait_for_signal()
     finally:
-        stopping = time.monotonic()
-        log.info("decode %s stopping", instance.instance_id)
-        instance.heartbeat.stop(deregister=True)  # the gateway stops routing here
-        await server.stop(config.shutdown_grace_s)
-        maintain.cancel()
-        await asyncio.gather(maintain, return_exceptions=True)
-        puller.close()
-        if metrics_server is not None:
-            metrics_server.close()
-        instance.loop.stop()
-        registry.close()
-        log.info("decode %s stopped in %.1f s", instance.instance_id, time.monotonic() - stopping)
+        await instance.stop(server, config.server.shutdown_grace_s, [maintain],
+                            close=[puller.close, *([metrics_server.close] if metrics_server else [])])
 
 
 async def _maintain(instance: ServiceInstance, interval_s: float) -> None:

@@ -16,7 +16,7 @@ import time
 import grpc
 import redis
 
-from common.registry import BlockRegistry, InstanceInfo
+from common.registry import InstanceInfo, Registry
 from common.serving import grpc_util
 from common.serving.tls import PLAINTEXT, TlsConfig
 from gateway.quarantine import Quarantine
@@ -28,7 +28,7 @@ KINDS = ("prefill", "decode")
 
 
 class Instances:
-    def __init__(self, registry: BlockRegistry, interval_s: float, tls: TlsConfig = PLAINTEXT,
+    def __init__(self, registry: Registry, interval_s: float, tls: TlsConfig = PLAINTEXT,
                  quarantine: Quarantine | None = None):
         self.registry = registry
         self.interval_s = interval_s

@@ -39,6 +39,7 @@ from common.registry import InstanceInfo
 from common.serving.proto_convert import ms
 from common.serving.tls import TlsConfig, aio_channel
 from common.text.detokenizer import Decoder
+from gateway.config import MigrationPolicy
 from gateway.frontend import PreparedRequest
 from gateway.instances import Instances
 from gateway.quarantine import Quarantine
@@ -49,20 +50,8 @@ from protos.splitserve.v1 import generation_pb2, types_pb2
 log = logging.getLogger("splitserve.gateway.migration")
 
 MAX_PAUSE_S = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class MigrationPolicy:
-    max_retries: int = 3          # failures one request may survive
-    retry_wait_s: float = 3.0     # longest wait for a usable instance before UNAVAILABLE
-    probe_timeout_s: float = 0.5  # health check of an instance whose call failed
-    backoff_s: float = 0.05       # first pause while waiting, doubled up to MAX_PAUSE_S
-
-    def __post_init__(self) -> None:
-        if self.max_retries < 0 or self.retry_wait_s < 0:
-            raise ValueError("--max-retries and --retry-wait-s must be >= 0")
-        if self.probe_timeout_s <= 0 or self.backoff_s <= 0:
-            raise ValueError("probe timeout and backoff must be positive")
+PROBE_TIMEOUT_S = 0.5  # health check of an instance whose call failed
+BACKOFF_S = 0.05  # first pause while waiting for an instance, doubled up to MAX_PAUSE_S
 
 
 @dataclass(slots=True)
@@ -218,7 +207,7 @@ class Migrator:
         try:
             async with aio_channel(info.address, self.tls) as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=self.policy.probe_timeout_s)
+                    health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return
         except grpc.aio.AioRpcError:
@@ -237,7 +226,7 @@ class Migrator:
                 > self.relay.config.local_prefill_max_tokens):
             kinds.append("prefill")
         limit = min(deadline, time.monotonic() + self.policy.retry_wait_s)
-        pause = self.policy.backoff_s
+        pause = BACKOFF_S
         while not handle.aborted:
             with contextlib.suppress(redis.RedisError):  # get() answers with the last lists
                 await self.instances.refresh()

@@ -23,7 +23,7 @@ import redis
 
 from common.engine.core.block_manager import hash_prefix_blocks
 from common.errors import ClientAborted, DeadlineExceededError, ServiceError
-from common.registry import BlockRegistry, InstanceInfo
+from common.registry import InstanceInfo, Registry
 from common.serving.proto_convert import ms
 from gateway.config import GatewayConfig
 from gateway.frontend import PreparedRequest
@@ -75,7 +75,7 @@ class _Progress:
 
 
 class Relay:
-    def __init__(self, config: GatewayConfig, registry: BlockRegistry, instances: Instances,
+    def __init__(self, config: GatewayConfig, registry: Registry, instances: Instances,
                  router: Router):
         self.config = config
         self.registry = registry
@@ -187,7 +187,7 @@ class Relay:
     async def _pick_prefill(self, prompt: list[int]) -> InstanceInfo:
         instances = await self.instances.get("prefill")
         cached: dict[str, int] = {}
-        if len(instances) > 1 and self.config.prefix_token_weight > 0:
+        if len(instances) > 1 and self.config.router.prefix_token_weight > 0:
             hashes = hash_prefix_blocks(prompt, instances[0].block_size)
             if hashes:
                 ids = [i.instance_id for i in instances]

@@ -17,16 +17,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from common.errors import NoInstanceError
 from common.registry.records import InstanceInfo
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    prefix_token_weight: float = 1.0
-    queued_request_cost_tokens: int = 256
+from gateway.config import RouterConfig
 
 
 class Router:

@@ -7,10 +7,10 @@ import asyncio
 import logging
 import time
 
-from common.registry import BlockRegistry
+from common.registry import Registry
 from common.serving.auth import NO_AUTH, ApiKeyInterceptor, ApiKeyMiddleware, AuthConfig
 from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
-from common.serving.metrics import SLO, GatewayMetrics
+from common.serving.metrics import GatewayMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
 from common.text.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
@@ -18,12 +18,12 @@ from gateway.frontend import Frontend
 from gateway.http_api import OpenAIApi, create_app
 from gateway.http_server import HttpServer
 from gateway.instances import Instances
-from gateway.migration import MigrationPolicy, Migrator
+from gateway.migration import Migrator
 from gateway.model_files import wait_for_model_files
 from gateway.quarantine import Quarantine
 from gateway.relay import Relay
 from gateway.resume import ResumableStreams
-from gateway.router import Router, RouterConfig
+from gateway.router import Router
 from gateway.servicer import GenerationServicer
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -42,24 +42,24 @@ def build_frontend(config: GatewayConfig) -> tuple[Frontend, tuple[int, ...]]:
 
 async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
                 auth: AuthConfig = NO_AUTH) -> None:
-    registry = BlockRegistry(config.registry_url, config.registry_namespace)
+    registry = Registry(config.registry.url, config.registry.namespace)
     registry.ping()
     keys = auth.keys()
     frontend, eos_token_ids = await asyncio.to_thread(build_frontend, config)
     quarantine = Quarantine(config.quarantine_s)
     instances = Instances(registry, config.discovery_interval_s, tls, quarantine)
-    router = Router(RouterConfig(config.prefix_token_weight, config.queued_request_cost_tokens))
+    router = Router(config.router)
     relay = Relay(config, registry, instances, router)
     migrator = Migrator(relay, instances, quarantine, frontend.tokenizer,
-                        MigrationPolicy(config.max_retries, config.retry_wait_s), tls)
+                        config.migration, tls)
     resumable = ResumableStreams(config.resume_retention_s)
     # Scraped only once serving, when `servicer` exists.
     metrics = GatewayMetrics(frontend.model_name,
-                             SLO(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000),
+                             config.slo.objective,
                              lambda: len(servicer.inflight))
     servicer = GenerationServicer(config, frontend, migrator, instances, eos_token_ids, metrics,
                                   resumable)
-    server = GrpcServer(config.host, config.grpc_port, tls=tls,
+    server = GrpcServer(config.server.host, config.grpc_port, tls=tls,
                         interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     server.add(Service(servicer, generation_pb2_grpc.add_GenerationServicer_to_server,
                        service_name(generation_pb2, "Generation")))
@@ -69,22 +69,23 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
         app = create_app(OpenAIApi(frontend, servicer.stream), metrics.exposition)
         if keys.enabled:
             app.add_middleware(ApiKeyMiddleware, keys=keys)
-        http = HttpServer(app, config.host, config.http_port)
+        http = HttpServer(app, config.server.host, config.http_port)
         await http.start()
-    metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port \
+    listen = config.server
+    metrics_server = metrics.serve(listen.host, listen.metrics_port) if listen.metrics_port \
         else None
     discovery = asyncio.create_task(instances.run())
     log.info("gateway serving %s on %s:%d (HTTP %s, metrics %s; registry %s, namespace %s)",
-             frontend.model_name, config.host, server.port, http.port if http else "off",
-             config.metrics_port or "off", config.registry_url, config.registry_namespace)
+             frontend.model_name, listen.host, server.port, http.port if http else "off",
+             listen.metrics_port or "off", config.registry.url, config.registry.namespace)
     try:
         await wait_for_signal()
     finally:
         stopping = time.monotonic()
         log.info("gateway stopping")
-        stops = [server.stop(config.shutdown_grace_s)]
+        stops = [server.stop(config.server.shutdown_grace_s)]
         if http is not None:
-            stops.append(http.stop(config.shutdown_grace_s))
+            stops.append(http.stop(config.server.shutdown_grace_s))
         await asyncio.gather(*stops)
         await resumable.close()
         if metrics_server is not None:

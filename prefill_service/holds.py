@@ -14,7 +14,7 @@ import logging
 
 import redis
 
-from common.registry import BlockRegistry, HandoffState
+from common.registry import HandoffState, Registry
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import PrefillMetrics
 
@@ -22,7 +22,7 @@ log = logging.getLogger("splitserve.prefill.holds")
 
 
 class HandoffHolds:
-    def __init__(self, registry: BlockRegistry, loop: EngineLoop, interval_s: float,
+    def __init__(self, registry: Registry, loop: EngineLoop, interval_s: float,
                  metrics: PrefillMetrics):
         self.registry = registry
         self.loop = loop

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine, resolve_device
-from common.kv_transport import KVSource, KVTransferServicer, SharedMemoryPool
+from common.kv_transport.grpc_transport import KVTransferServicer
+from common.kv_transport.shm import SharedMemoryPool
 from common.kv_transport.shm_sweep import sweep_stale_pools
-from common.registry import BlockRegistry
+from common.kv_transport.source import KVSource
+from common.registry import Registry
 from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
-from prefill_service.config import PrefillConfig
+from prefill_service.config import PrefillServiceConfig
 from prefill_service.holds import HandoffHolds
 from prefill_service.prefix_sync import PrefixSync
 from prefill_service.servicer import PrefillServicer
@@ -30,20 +31,20 @@ from protos.splitserve.v1 import (
 log = logging.getLogger("splitserve.prefill")
 
 
-async def serve(config: PrefillConfig, engine_config: EngineConfig,
+async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
                 tls: TlsConfig = PLAINTEXT) -> None:
-    registry = BlockRegistry(config.registry_url, config.registry_namespace)
+    registry = Registry(config.registry.url, config.registry.namespace)
     registry.ping()  # an unreachable registry fails start-up, before the model loads
     shm = None
-    if resolve_device(engine_config.device).type == "cpu":
+    if resolve_device(engine_config.model.device).type == "cpu":
         sweep_stale_pools()  # pools left by killed prefill services hold RAM until removed
         shm = SharedMemoryPool()
     engine = LLMEngine(engine_config, kv_cache_allocator=shm)
-    server = GrpcServer(config.host, config.port, tls=tls)
+    server = GrpcServer(config.server.host, config.port, tls=tls)
     instance = ServiceInstance("prefill", config, engine, registry, config.address(server.port))
     source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
                       address=instance.address, shm=shm)
-    metrics = PrefillMetrics(engine.model_name, config.slo, instance.engine_stats)
+    metrics = PrefillMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
     holds = HandoffHolds(registry, instance.loop, config.reap_interval_s, metrics)
     prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
     instance.heartbeat.on_reregister = lambda: setattr(prefixes, "republish", True)
@@ -56,34 +57,24 @@ async def serve(config: PrefillConfig, engine_config: EngineConfig,
                        service_name(kv_transfer_pb2, "KVTransfer")))
     await server.start()
     instance.start()
-    metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port \
-        else None
+    listen = config.server
+    metrics_server = metrics.serve(listen.host, listen.metrics_port) if listen.metrics_port else None
     background = [asyncio.create_task(holds.run()),
                   asyncio.create_task(_maintain(instance, prefixes, config))]
     try:
         await wait_for_signal()
     finally:
-        stopping = time.monotonic()
-        log.info("prefill %s stopping", instance.instance_id)
-        instance.heartbeat.stop(deregister=True)  # the gateway stops routing here
-        await server.stop(config.shutdown_grace_s)
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        await holds.release_all()
-        registry.clear_instance(instance.instance_id)
-        if metrics_server is not None:
-            metrics_server.close()
-        instance.loop.stop()
-        source.close()
-        if shm is not None:
-            shm.close()
-        registry.close()
-        log.info("prefill %s stopped in %.1f s", instance.instance_id, time.monotonic() - stopping)
+        async def drain() -> None:
+            await holds.release_all()
+            registry.clear_instance(instance.instance_id)
+
+        await instance.stop(server, config.server.shutdown_grace_s, background, drain=drain,
+                            close=[metrics_server.close] if metrics_server else [],
+                            close_after_engine=[source.close, *([shm.close] if shm else [])])
 
 
 async def _maintain(instance: ServiceInstance, prefixes: PrefixSync,
-                    config: PrefillConfig) -> None:
+                    config: PrefillServiceConfig) -> None:
     """Refresh the load sent with each heartbeat; publish prefix-cache evictions."""
     loop = asyncio.get_running_loop()
     next_sync = loop.time()

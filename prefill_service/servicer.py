@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.errors import InvalidRequestError
-from common.kv_transport import KVSource
+from common.kv_transport.source import KVSource
 from common.serving.engine_loop import AsyncOutputStream
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from common.registry import BlockRegistry, EmbeddedRedis
+from common.registry import EmbeddedRedis, Registry
 from common.registry.embedded import free_port
 from common.serving.auth import bearer_metadata
 from common.serving.tls import PLAINTEXT, TlsConfig, sync_channel
@@ -66,7 +66,7 @@ class Cluster:
         self.redis_port = free_port()
         self.redis = EmbeddedRedis(port=self.redis_port)
         self.namespace = f"chaos-{uuid.uuid4().hex[:8]}"
-        self.registry = BlockRegistry(self.redis.url, self.namespace, timeout_s=1.0, retries=1)
+        self.registry = Registry(self.redis.url, self.namespace, timeout_s=1.0, retries=1)
         self.procs: dict[str, subprocess.Popen] = {}  # slot -> current incarnation
         self.instance_ids: dict[str, str] = {}
         self.generations: Counter[str] = Counter()

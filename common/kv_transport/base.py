@@ -7,7 +7,7 @@ Receiver rules:
   the request; the transport never frees or reserves anything.
 - pull() checks the pulled blocks against desc.checksum (common.kv_transport.checksum) on the
   receiver's own pool, so whatever the route, a block the source reused or a mix-up is caught.
-- After a successful pull the caller still confirms with BlockRegistry.complete_handoff and
+- After a successful pull the caller still confirms with Registry.complete_handoff and
   discards the KV if that returns False (the lease ran out during the pull).
 
 Implementations keep per-source state (mapped files, opened IPC handles, channels) across pulls;

@@ -3,7 +3,7 @@
 from common.registry.embedded import EmbeddedRedis
 from common.registry.heartbeat import Heartbeat
 from common.registry.records import HandoffDescriptor, HandoffState, InstanceInfo, InstanceKind
-from common.registry.registry import BlockRegistry
+from common.registry.registry import Registry
 
-__all__ = ["BlockRegistry", "EmbeddedRedis", "HandoffDescriptor", "HandoffState", "Heartbeat",
+__all__ = ["Registry", "EmbeddedRedis", "HandoffDescriptor", "HandoffState", "Heartbeat",
            "InstanceInfo", "InstanceKind"]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import redis
 
 from common.registry.records import InstanceInfo
-from common.registry.registry import BlockRegistry
+from common.registry.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +22,11 @@ class Heartbeat:
     then refreshes in a daemon thread. A refresh that finds the record missing (Redis restarted,
     or this process stalled past its TTL) re-creates it and calls on_reregister from the heartbeat
     thread: the instance's prefix set was lost with it, so the service should republish it
-    (BlockRegistry.replace_prefix). Keep the callback cheap, e.g. set a flag the service loop
+    (Registry.replace_prefix). Keep the callback cheap, e.g. set a flag the service loop
     reads. Redis errors during refreshes are logged and retried on the next beat.
     """
 
-    def __init__(self, registry: BlockRegistry, info: InstanceInfo, ttl_s: float,
+    def __init__(self, registry: Registry, info: InstanceInfo, ttl_s: float,
                  on_reregister: Callable[[], None] | None = None):
         if ttl_s <= 0:
             raise ValueError(f"ttl must be positive, got {ttl_s}")

@@ -85,6 +85,3 @@ class PrefixIndex:
                 n += 1
             result[instance_id] = n
         return result
-
-    def prefix_size(self, instance_id: str) -> int:
-        return int(self._r.scard(self._keys.prefix(instance_id)))

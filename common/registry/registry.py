@@ -1,4 +1,4 @@
-"""BlockRegistry: the one shared store of splitserve, on Redis (service discovery, KV handoff
+"""Registry: the one shared store of splitserve, on Redis (service discovery, KV handoff
 records, prefix index). Importable without torch (the gateway uses it).
 
 Every call has a socket timeout, and connection errors and timeouts are retried with exponential
@@ -36,7 +36,7 @@ def connect(url: str, timeout_s: float, retries: int) -> redis.Redis:
     )
 
 
-class BlockRegistry:
+class Registry:
     """Thread-safe (redis-py pools its connections); one per process is enough."""
 
     def __init__(self, url: str, namespace: str = "splitserve", *, timeout_s: float = 2.0,
@@ -58,7 +58,7 @@ class BlockRegistry:
     def close(self) -> None:
         self.redis.close()
 
-    def __enter__(self) -> BlockRegistry:
+    def __enter__(self) -> Registry:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from common.serving.dataclass_cli import add_dataclass_args, from_dataclass_args
+from common.flags import add_args, from_args, opt
 from common.text.openai_protocol import error_body
 
 BEARER = "bearer "
@@ -32,14 +32,11 @@ WRONG = "the API key is not valid"
 
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
-    api_key: str | None = None
-    api_key_file: str | None = None
-
-    HELP = {
-        "api_key": "API key clients must send (`authorization: Bearer KEY`); prefer "
-                   "--api-key-file, which keeps the key out of the process list",
-        "api_key_file": "file with the accepted API keys, one per line (# starts a comment)",
-    }
+    api_key: str | None = opt(None, "API key clients must send (`authorization: Bearer KEY`); "
+                              "prefer --api-key-file, which keeps the key out of the process "
+                              "list")
+    api_key_file: str | None = opt(None, "file with the accepted API keys, one per line (# starts "
+                                   "a comment)")
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -67,11 +64,11 @@ class AuthConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_args(cls, parser, "authentication")
+        add_args(cls, parser, "authentication")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> AuthConfig:
-        return from_dataclass_args(cls, args)
+        return from_args(cls, args)
 
 
 NO_AUTH = AuthConfig()  # no key: the endpoints are open

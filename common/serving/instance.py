@@ -9,17 +9,22 @@ import asyncio
 import logging
 import os
 import socket
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.flags import group, opt
 from common.kv_transport.locality import host_id
-from common.registry import BlockRegistry, Heartbeat, InstanceInfo, InstanceKind
+from common.registry import Heartbeat, InstanceInfo, InstanceKind, Registry
+from common.serving.config import RegistryConfig, ServerConfig, SLOConfig
 from common.serving.engine_loop import EngineLoop
-from common.serving.metrics import SLO, EngineStats, engine_stats
+from common.serving.metrics import EngineStats, engine_stats
 from protos.splitserve.v1 import types_pb2
 
 if TYPE_CHECKING:
     from common.engine.engine import LLMEngine
+    from common.serving.grpc_util import GrpcServer
 
 log = logging.getLogger("splitserve.instance")
 
@@ -28,57 +33,30 @@ SCRAPE_TIMEOUT_S = 5.0  # a /metrics scrape waits at most this long for the engi
 
 @dataclass(frozen=True, slots=True)
 class InstanceConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    registry_url: str = "redis://127.0.0.1:6379/0"
-    registry_namespace: str = "splitserve"
-    instance_id: str | None = None
-    heartbeat_ttl_s: float = 3.0
-    stats_interval_s: float = 0.25
-    shutdown_grace_s: float = 5.0
-    metrics_port: int = 0
-    slo_ttft_ms: float = 0.0
-    slo_tpot_ms: float = 0.0
-
-    HELP = {
-        "host": "address the gRPC server listens on (0.0.0.0 for every interface)",
-        "port": "gRPC port (0 picks a free one; the registry tells the gateway which)",
-        "advertise_host": "host name or IP other services dial; unset: --host, or this "
-                          "machine's IP when listening on every interface)",
-        "registry_url": "Redis URL of the block registry",
-        "registry_namespace": "key prefix shared by every service of one stack",
-        "instance_id": "id in the registry; unset: <kind>-<hostname>-<pid>",
-        "heartbeat_ttl_s": "registry record lifetime; refreshed every third of it, so a dead "
-                           "instance disappears within it",
-        "stats_interval_s": "how often the load figures sent with the heartbeat are refreshed",
-        "shutdown_grace_s": "on SIGTERM, how long in-flight requests may finish",
-        "metrics_port": "port of Prometheus /metrics (0 = off)",
-        "slo_ttft_ms": "goodput: time-to-first-token objective in ms (prefill; 0 = none)",
-        "slo_tpot_ms": "goodput: time-per-output-token objective in ms (decode; 0 = none)",
-    }
+    """A prefill or decode service's own settings; each service's config extends it."""
+    server: ServerConfig = group(ServerConfig, "server")
+    registry: RegistryConfig = group(RegistryConfig)
+    slo: SLOConfig = group(SLOConfig, "SLO")
+    port: int = opt(0, "gRPC port (0 picks a free one; the registry tells the gateway which)")
+    advertise_host: str | None = opt(None, "host name or IP other services dial; unset: --host, "
+                                     "or this machine's IP when listening on every interface)")
+    instance_id: str | None = opt(None, "id in the registry; unset: <kind>-<hostname>-<pid>")
+    heartbeat_ttl_s: float = opt(3.0, "registry record lifetime; refreshed every third of it, "
+                                 "so a dead instance disappears within it")
+    stats_interval_s: float = opt(0.25, "how often the load figures sent with the heartbeat are "
+                                  "refreshed")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port out of range: {self.port}")
         if self.heartbeat_ttl_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("--heartbeat-ttl-s and --stats-interval-s must be positive")
-        if self.shutdown_grace_s < 0:
-            raise ValueError("--shutdown-grace-s must be >= 0")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"--metrics-port out of range: {self.metrics_port}")
-        if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
-            raise ValueError("SLOs must be >= 0 (0 = none)")
-
-    @property
-    def slo(self) -> SLO:
-        return SLO(self.slo_ttft_ms / 1000, self.slo_tpot_ms / 1000)
 
     def resolved_instance_id(self, kind: str) -> str:
         return self.instance_id or f"{kind}-{socket.gethostname()}-{os.getpid()}"
 
     def address(self, port: int) -> str:
-        host = self.advertise_host or self.host
+        host = self.advertise_host or self.server.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostbyname(socket.gethostname())
         return f"{host}:{port}"
@@ -88,7 +66,7 @@ class ServiceInstance:
     """An engine on its loop, its registry record kept alive with fresh load figures."""
 
     def __init__(self, kind: InstanceKind, config: InstanceConfig, engine: LLMEngine,
-                 registry: BlockRegistry, address: str):
+                 registry: Registry, address: str):
         self.kind = kind
         self.config = config
         self.engine = engine
@@ -99,7 +77,7 @@ class ServiceInstance:
         self.num_inflight = 0  # RPCs computing or streaming for a caller (event-loop thread)
         info = InstanceInfo(instance_id=self.instance_id, kind=kind, address=address,
                             model=engine.model_name, host_id=host_id(),
-                            block_size=engine.config.block_size,
+                            block_size=engine.config.cache.block_size,
                             total_blocks=engine.block_manager.num_blocks,
                             free_blocks=engine.block_manager.num_free_blocks)
         self.heartbeat = Heartbeat(registry, info, config.heartbeat_ttl_s)
@@ -115,7 +93,7 @@ class ServiceInstance:
         counts = await asyncio.wrap_future(self.loop.call(engine_counts))
         return types_pb2.InstanceStats(
             instance_id=self.instance_id, role=self.kind, address=self.address,
-            model=self.engine.model_name, block_size=self.engine.config.block_size,
+            model=self.engine.model_name, block_size=self.engine.config.cache.block_size,
             num_inflight=self.num_inflight, max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size, **counts, **extra)
 
@@ -130,10 +108,37 @@ class ServiceInstance:
         until the current step ends)."""
         return self.loop.call(engine_stats).result(timeout=SCRAPE_TIMEOUT_S)
 
-    def stop(self) -> None:
-        """Leave the registry first (no new requests are routed here), then stop the engine."""
+    async def stop(self, server: GrpcServer, grace_s: float,
+                   background: Sequence[asyncio.Task] = (), *,
+                   drain: Callable[[], Awaitable[None]] | None = None,
+                   close: Sequence[Callable[[], None]] = (),
+                   close_after_engine: Sequence[Callable[[], None]] = ()) -> None:
+        """The shutdown order of both services, each step before the next:
+
+        1. leave the registry (the gateway stops routing here);
+        2. let in-flight RPCs finish for `grace_s`, then stop the gRPC server;
+        3. cancel the service's background tasks;
+        4. `drain()`: give back what the service holds for others (prefill: held handoffs);
+        5. `close` (metrics server, pullers), then stop the engine's thread;
+        6. `close_after_engine` (what the engine's pool lives in), then the registry client.
+        """
+        stopping = time.monotonic()
+        log.info("%s %s stopping", self.kind, self.instance_id)
         self.heartbeat.stop(deregister=True)
+        await server.stop(grace_s)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        if drain is not None:
+            await drain()
+        for step in close:
+            step()
         self.loop.stop()
+        for step in close_after_engine:
+            step()
+        self.registry.close()
+        log.info("%s %s stopped in %.1f s", self.kind, self.instance_id,
+                 time.monotonic() - stopping)
 
 
 def engine_counts(engine: LLMEngine) -> dict[str, int]:

@@ -26,27 +26,22 @@ from pathlib import Path
 
 import grpc
 
-from common.serving.dataclass_cli import add_dataclass_args, from_dataclass_args
+from common.flags import add_args, from_args, opt, to_argv
 
 
 @dataclass(frozen=True, slots=True)
 class TlsConfig:
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    tls_client_auth: bool = False
-    tls_server_name: str | None = None
-
-    HELP = {
-        "tls_cert": "PEM certificate chain of this process: its gRPC servers serve TLS only, "
-                    "and it is presented as the client certificate (mTLS)",
-        "tls_key": "PEM private key of --tls-cert",
-        "tls_ca": "PEM CA bundle that verifies the servers this process dials (default: the "
-                  "system roots once TLS is on) and, with --tls-client-auth, its clients",
-        "tls_client_auth": "require clients to present a certificate signed by --tls-ca (mTLS)",
-        "tls_server_name": "name the dialled servers' certificates must carry (default: the "
-                           "host of each address)",
-    }
+    tls_cert: str | None = opt(None, "PEM certificate chain of this process: its gRPC servers "
+                               "serve TLS only, and it is presented as the client certificate "
+                               "(mTLS)")
+    tls_key: str | None = opt(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = opt(None, "PEM CA bundle that verifies the servers this process dials "
+                             "(default: the system roots once TLS is on) and, with "
+                             "--tls-client-auth, its clients")
+    tls_client_auth: bool = opt(False, "require clients to present a certificate signed by "
+                                "--tls-ca (mTLS)")
+    tls_server_name: str | None = opt(None, "name the dialled servers' certificates must carry "
+                                      "(default: the host of each address)")
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -98,22 +93,15 @@ class TlsConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_args(cls, parser, "TLS")
+        add_args(cls, parser, "TLS")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> TlsConfig:
-        return from_dataclass_args(cls, args)
+        return from_args(cls, args)
 
     def to_argv(self) -> list[str]:
         """The flags that rebuild this config (for `splitserve up` and the tests)."""
-        argv: list[str] = []
-        for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
-                            ("--tls-ca", self.tls_ca), ("--tls-server-name", self.tls_server_name)):
-            if value is not None:
-                argv += [flag, value]
-        if self.tls_client_auth:
-            argv.append("--tls-client-auth")
-        return argv
+        return to_argv(self)
 
 
 PLAINTEXT = TlsConfig()  # no TLS: the default of every server and channel

@@ -90,12 +90,12 @@ def make_speculator(config: EngineConfig, max_model_len: int, *, num_blocks: int
     """The speculator config asks for (None when speculation is off). num_blocks: the target's
     KV pool size, which the draft's pool matches (the runner reserved memory for both)."""
     proposer: Proposer
-    if config.speculative_method is None:
+    if config.speculative.method is None:
         return None
-    if config.speculative_method == "ngram":
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.speculative.method == "ngram":
+        proposer = NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
     else:
         assert draft_model is not None, "load the draft model first (load_draft_model)"
-        proposer = DraftModelProposer(draft_model, num_blocks, config.block_size, backend,
-                                      config.max_num_batched_tokens)
-    return Speculator(proposer, config.num_speculative_tokens, max_model_len)
+        proposer = DraftModelProposer(draft_model, num_blocks, config.cache.block_size, backend,
+                                      config.scheduler.max_num_batched_tokens)
+    return Speculator(proposer, config.speculative.num_tokens, max_model_len)

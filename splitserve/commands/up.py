@@ -17,9 +17,10 @@ import sys
 import time
 
 from common.engine.config import EngineConfig
+from common.flags import leaf, to_argv
 from common.serving.auth import AuthConfig
-from common.serving.dataclass_cli import to_argv
 from common.serving.tls import TlsConfig
+from gateway.config import GatewayConfig
 from splitserve.launch import service_argv, start_service, stop_services
 
 START_TIMEOUT_S = 600.0
@@ -27,19 +28,21 @@ START_TIMEOUT_S = 600.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("stack")
-    g.add_argument("--grpc-port", type=int, default=50051, help="gateway's public gRPC port")
-    g.add_argument("--http-port", type=int, default=0,
+    g.add_argument("--grpc-port", type=int, default=leaf(GatewayConfig, "grpc_port").default,
+                   help="gateway's public gRPC port")
+    g.add_argument("--http-port", type=int, default=leaf(GatewayConfig, "http_port").default,
                    help="gateway's OpenAI-compatible HTTP port (0 = off)")
     g.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics: the gateway on this port, then the prefill and "
                         "the decode services on the ports after it, in order (0 = off)")
     g.add_argument("--registry-url", default=None,
                    help="Redis URL of an external registry; unset: start a private redis-server")
-    g.add_argument("--registry-namespace", default="splitserve",
+    g.add_argument("--registry-namespace", default=leaf(GatewayConfig, "registry_namespace").default,
                    help="key prefix of this stack in the registry")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill services to start")
     g.add_argument("--num-decode", type=int, default=1, help="decode services to start")
-    g.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    g.add_argument("--host", default=leaf(GatewayConfig, "host").default,
+                   help="address every service listens on")
     EngineConfig.add_cli_args(parser)  # passed on to the prefill and decode services
     # Every service gets the TLS flags; the gateway's public port never asks for a client
     # certificate (the API key, passed to the gateway only, authenticates clients).
@@ -59,26 +62,25 @@ def run(args: argparse.Namespace) -> int:
         redis = EmbeddedRedis()
         args.registry_url = redis.url
         print(f"registry: private redis-server at {redis.url}")
-    if not engine.model.startswith("dummy:"):
+    model = engine.model
+    if not model.is_dummy:
         from common.models.loader import resolve_model
-        print(f"model: {engine.model} -> {resolve_model(engine.model, engine.model_cache_dir)}")
+        print(f"model: {model.name} -> {resolve_model(model.name, model.model_cache_dir)}")
     common = {"registry_url": args.registry_url, "namespace": args.registry_namespace,
-              "host": args.host, "model": engine.model}
-    if engine.cpu_threads == 0 and not engine.device.startswith("cuda"):
+              "host": args.host, "model": engine.model.name}
+    if engine.model.cpu_threads == 0 and not engine.model.device.startswith("cuda"):
         # Services on one machine share its cores: give each its share (OpenMP threads that
         # outnumber the cores spin against each other and slow every service down).
         share = max(1, (os.cpu_count() or 1) // (args.num_prefill + args.num_decode))
-        engine = dataclasses.replace(engine, cpu_threads=share)
+        engine = dataclasses.replace(engine, model=dataclasses.replace(model, cpu_threads=share))
     engine_flags = [*to_argv(engine, skip=("model",)), *tls.to_argv()]
     # The prefill side never speculates (it samples one token), so it gets no draft model.
-    prefill_flags = to_argv(engine, skip=("model", "speculative_method", "speculative_model",
-                                          "num_speculative_tokens", "prompt_lookup_min",
-                                          "prompt_lookup_max")) + tls.to_argv()
-    gateway_flags = ["--model-cache-dir", engine.model_cache_dir,
+    prefill_flags = to_argv(engine, skip=("model",), skip_groups=("speculative",)) + tls.to_argv()
+    gateway_flags = ["--model-cache-dir", engine.model.model_cache_dir,
                      *dataclasses.replace(tls, tls_client_auth=False).to_argv(),
                      *to_argv(auth)]
-    if engine.served_model_name:
-        gateway_flags += ["--served-model-name", engine.served_model_name]
+    if engine.model.served_model_name:
+        gateway_flags += ["--served-model-name", engine.model.served_model_name]
     last_port = args.metrics_port + args.num_prefill + args.num_decode
     metrics_ports = iter(range(args.metrics_port, last_port + 1) if args.metrics_port else ())
     procs: list[subprocess.Popen] = []

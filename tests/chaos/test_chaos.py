@@ -22,6 +22,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from protos.splitserve.v1 import types_pb2
 from tests.chaos.load import Load
 from tests.cluster import Cluster, wait_until
@@ -103,7 +104,7 @@ def test_chaos(tmp_path):
         load.stop(timeout_s=120)
         outcomes = load.outcomes
 
-        reference = LLMEngine(EngineConfig(model=MODEL, device="cpu", dtype="float32",
+        reference = LLMEngine(build(EngineConfig, model=MODEL, device="cpu", dtype="float32",
                                            num_kv_blocks=4096, max_num_seqs=512))
         want = reference.generate(
             [o.spec.prompt for o in outcomes],

@@ -11,8 +11,9 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.kv_transport import KVSource
-from common.registry import BlockRegistry, EmbeddedRedis, HandoffState
+from common.flags import build
+from common.kv_transport.source import KVSource
+from common.registry import EmbeddedRedis, HandoffState, Registry
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import SLO, DecodeMetrics, engine_stats
 from decode_service.handoff import HandoffFailed, HandoffPuller
@@ -22,13 +23,13 @@ MODEL = "dummy:tiny-llama"
 
 @pytest.fixture(scope="module")
 def registry():
-    with EmbeddedRedis() as server, BlockRegistry(server.url, "puller") as registry:
+    with EmbeddedRedis() as server, Registry(server.url, "puller") as registry:
         yield registry
 
 
 @pytest.fixture
 def setup(registry):
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=64))
+    engine = LLMEngine(build(EngineConfig, model=MODEL, device="cpu", num_kv_blocks=64))
     loop = EngineLoop(engine).start()
     metrics = DecodeMetrics(engine.model_name, SLO(),
                             lambda: loop.call(engine_stats).result(timeout=5))

@@ -10,6 +10,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from common.serving.proto_convert import FINISH_TO_PB, params_to_pb
 from gateway.frontend import PreparedRequest
 from gateway.migration import Delivery
@@ -23,7 +24,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def engine(model_cache_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_cache_dir=str(model_cache_dir), num_kv_blocks=256))
+    return LLMEngine(build(EngineConfig, model_cache_dir=str(model_cache_dir), num_kv_blocks=256))
 
 
 @pytest.fixture(scope="module")

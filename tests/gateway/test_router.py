@@ -6,7 +6,8 @@ import pytest
 
 from common.errors import NoInstanceError
 from common.registry import InstanceInfo
-from gateway.router import Router, RouterConfig
+from gateway.config import RouterConfig
+from gateway.router import Router
 
 
 def info(iid: str, kind: str = "prefill", *, running: int = 0, waiting: int = 0,

@@ -14,6 +14,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from protos.splitserve.v1 import generation_pb2, types_pb2
 from tests.cluster import Cluster, wait_until
 
@@ -66,7 +67,7 @@ def test_redis_restart_under_load(tmp_path):
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads), "a request hangs"
 
-        reference = LLMEngine(EngineConfig(model=MODEL, device="cpu", dtype="float32",
+        reference = LLMEngine(build(EngineConfig, model=MODEL, device="cpu", dtype="float32",
                                            num_kv_blocks=512))
         want = reference.generate([list(request(i).prompt_token_ids.ids) for i in range(8)],
                                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,

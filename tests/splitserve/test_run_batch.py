@@ -9,6 +9,7 @@ import sys
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from splitserve.commands.run_batch import BatchRunner
 
 
@@ -17,7 +18,7 @@ def line(custom_id, url, body, method="POST"):
 
 
 def test_run_batch_lines(model_cache_dir):
-    engine = LLMEngine(EngineConfig(model_cache_dir=str(model_cache_dir), num_kv_blocks=256))
+    engine = LLMEngine(build(EngineConfig, model_cache_dir=str(model_cache_dir), num_kv_blocks=256))
     tok = engine.tokenizer
     lines = [
         line("c1", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,

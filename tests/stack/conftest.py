@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.registry import BlockRegistry, EmbeddedRedis
+from common.registry import EmbeddedRedis, Registry
 from common.registry.embedded import free_port
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from splitserve.launch import service_argv, start_service, stop_services
@@ -28,7 +28,7 @@ class Stack:
         self.log_dir = log_dir
         self.redis = EmbeddedRedis()
         self.namespace = f"test-{uuid.uuid4().hex[:8]}"
-        self.registry = BlockRegistry(self.redis.url, self.namespace)
+        self.registry = Registry(self.redis.url, self.namespace)
         self.procs: dict[str, subprocess.Popen] = {}
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port

@@ -9,6 +9,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from protos.splitserve.v1 import generation_pb2, types_pb2
 from tests.stack.conftest import Stack
 
@@ -35,7 +36,7 @@ def spec_stack(tmp_path_factory):
 
 
 def test_ngram_speculation_through_the_services_is_lossless(spec_stack, model_cache_dir):
-    engine = LLMEngine(EngineConfig(model_cache_dir=str(model_cache_dir), num_kv_blocks=512,
+    engine = LLMEngine(build(EngineConfig, model_cache_dir=str(model_cache_dir), num_kv_blocks=512,
                                     cpu_threads=1))
     tok = engine.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.registry import BlockRegistry, EmbeddedRedis
+from common.registry import EmbeddedRedis, Registry
 from common.registry.embedded import free_port
 from common.serving.tls import TlsConfig, sync_channel
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
@@ -55,7 +55,7 @@ class TlsStack:
         self.leaves = {n: make_leaf(pki, n, self.ca) for n in ("prefill", "decode", "gateway")}
         self.redis = EmbeddedRedis()
         self.namespace = f"tls-{uuid.uuid4().hex[:8]}"
-        self.registry = BlockRegistry(self.redis.url, self.namespace)
+        self.registry = Registry(self.redis.url, self.namespace)
         self.procs: dict[str, subprocess.Popen] = {}
         self.decode_metrics_port = 0
         self._launch("prefill-0", self._argv("prefill", [

@@ -207,11 +207,3 @@ class BlockManager:
             if block.block_hash is None and parent not in self.cached:
                 block.block_hash = parent
                 self.cached[parent] = block.block_id
-
-    def reset_prefix_cache(self) -> None:
-        for h, bid in list(self.cached.items()):
-            self.blocks[bid].block_hash = None
-            del self.cached[h]
-
-    def cached_hashes(self) -> list[BlockHash]:
-        return list(self.cached)

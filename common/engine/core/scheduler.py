@@ -21,20 +21,33 @@ from dataclasses import dataclass, field
 
 from common.engine.core.block_manager import BlockManager
 from common.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from common.flags import opt
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
+    """The scheduler's limits, also the engine's "scheduler" flags."""
+    max_num_seqs: int = opt(256, "most sequences in one batch")
+    max_num_batched_tokens: int = opt(
+        2048, "token budget of one step (chunked prefill splits longer prompts)")
+    max_model_len: int | None = opt(None, "longest prompt + output (default: the model's)")
+    enable_chunked_prefill: bool = opt(
+        True, "split long prompts across steps and mix them with decodes")
+    overlap_scheduling: str = opt("auto", "schedule and prepare step N+1 while step N runs on "
+                                  "the device: auto (on for CUDA), on or off")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.overlap_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_scheduling must be auto, on or off, "
+                             f"got {self.overlap_scheduling!r}")
+
+    def resolved_max_model_len(self, model_limit: int) -> int:
+        """--max-model-len clamped to what the model's positions allow (the one place it is)."""
+        return min(self.max_model_len or model_limit, model_limit)
 
 
 @dataclass(slots=True)
@@ -67,8 +80,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        """max_model_len: the resolved limit (config.resolved_max_model_len of the model's)."""
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= "
+                             f"max_model_len ({config.max_num_batched_tokens} < {max_model_len})")
         self.config = config
+        self.max_model_len = max_model_len
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -11,6 +11,7 @@ from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
 from common.errors import InvalidRequestError
+from common.flags import build
 
 NEW_TOKENS = 64
 HF_BATCH = 4
@@ -51,7 +52,7 @@ def engine_factory(model_cache_dir):
         cfg = dict(model="SmolLM2-135M-Instruct", model_cache_dir=str(model_cache_dir),
                    num_kv_blocks=1024, max_num_batched_tokens=2048)
         cfg.update(kw)
-        engine = LLMEngine(EngineConfig(**cfg))
+        engine = LLMEngine(build(EngineConfig, **cfg))
         engines.append(engine)
         return engine
 

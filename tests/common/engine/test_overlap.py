@@ -13,6 +13,7 @@ from common.engine.core.sampling_params import SamplingParams
 from common.engine.cuda_runner import CudaGraphRunner
 from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner
+from common.flags import build
 
 MODEL = "dummy:tiny-llama"  # 512-token vocabulary
 
@@ -21,7 +22,7 @@ def make_engine(overlap: str, runner=ModelRunner, **kw) -> LLMEngine:
     cfg = dict(model=MODEL, device="cpu", max_num_seqs=8, max_num_batched_tokens=64,
                max_model_len=512, num_kv_blocks=400, overlap_scheduling=overlap)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), runner_factory=runner)
+    return LLMEngine(build(EngineConfig, **cfg), runner_factory=runner)
 
 
 def workload(n: int = 20, shared_prefix: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -141,7 +142,7 @@ def test_overlap_auto_is_off_on_cpu_and_with_speculation():
     assert not make_engine("auto").overlap
     assert not make_engine("on", speculative_method="ngram").overlap
     with pytest.raises(ValueError, match="overlap_scheduling"):
-        EngineConfig(overlap_scheduling="sometimes")
+        build(EngineConfig, overlap_scheduling="sometimes")
 
 
 def test_each_output_keeps_the_tokens_it_was_made_with():

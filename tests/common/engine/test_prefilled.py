@@ -9,12 +9,13 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine, Prefilled
+from common.flags import build
 
 
 @pytest.fixture(scope="module")
 def engines(model_cache_dir):
     def make() -> LLMEngine:
-        return LLMEngine(EngineConfig(model="SmolLM2-135M-Instruct", device="cpu",
+        return LLMEngine(build(EngineConfig, model="SmolLM2-135M-Instruct", device="cpu",
                                       model_cache_dir=str(model_cache_dir), num_kv_blocks=256,
                                       cpu_threads=2))
     upstream, here = make(), make()

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from common.kv_transport import KVSource, SharedMemoryPool
+from common.kv_transport.shm import SharedMemoryPool
+from common.kv_transport.source import KVSource
 
 
 def seeded_pool(seed: int, shape: list[int]) -> torch.Tensor:

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from common.kv_transport import checksum as checksum_module
-from common.kv_transport import copy_blocks, kv_checksum
-from common.kv_transport.blocks import block_runs, dtype_from_name, dtype_name
-from common.kv_transport.checksum import block_sums_torch
+from common.kv_transport.blocks import block_runs, copy_blocks, dtype_from_name, dtype_name
+from common.kv_transport.checksum import block_sums_torch, kv_checksum
 
 SHAPE = [2, 2, 6, 4, 2, 8]  # layers, kv, blocks, block_size, kv_heads, head_dim
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from common.errors import TransferError
-from common.kv_transport import KVReceiver, copy_blocks, kv_checksum
+from common.kv_transport.blocks import copy_blocks
+from common.kv_transport.checksum import kv_checksum
+from common.kv_transport.select import KVReceiver
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from common.errors import TransferError
-from common.kv_transport import GrpcTransport, KVReceiver, KVSource, KVTransferServicer
+from common.kv_transport.grpc_transport import GrpcTransport, KVTransferServicer
+from common.kv_transport.select import KVReceiver
+from common.kv_transport.source import KVSource
 from common.registry import HandoffDescriptor
 from common.registry.embedded import free_port
 from common.serving.tls import PLAINTEXT, TlsConfig, add_port

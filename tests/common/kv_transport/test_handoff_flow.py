@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from common.engine.core.block_manager import hash_prefix_blocks
-from common.kv_transport import KVReceiver, KVSource
-from common.registry import BlockRegistry, EmbeddedRedis, HandoffState
+from common.kv_transport.select import KVReceiver
+from common.kv_transport.source import KVSource
+from common.registry import EmbeddedRedis, HandoffState, Registry
 
 
 def test_handoff_through_the_registry() -> None:
@@ -14,7 +15,7 @@ def test_handoff_through_the_registry() -> None:
     decode_pool = torch.zeros([2, 2, 5, 4, 1, 8])
     prompt = list(range(30, 44))                       # 14 tokens: 3 full blocks and one partial
     held = [6, 2, 5, 0]
-    with EmbeddedRedis() as server, BlockRegistry(server.url, "flow") as registry:
+    with EmbeddedRedis() as server, Registry(server.url, "flow") as registry:
         source = KVSource("prefill-0", prefill_pool, "test-model", address="127.0.0.1:1")
         desc = source.describe("req-7", held, num_tokens=len(prompt),
                                block_hashes=hash_prefix_blocks(prompt, 4))

@@ -7,14 +7,11 @@ import pytest
 import torch
 
 from common.errors import TransferError
-from common.kv_transport import (
-    KV_LAYOUT,
-    KVReceiver,
-    KVSource,
-    host_id,
-    kv_checksum,
-    make_transport,
-)
+from common.kv_transport.blocks import KV_LAYOUT
+from common.kv_transport.checksum import kv_checksum
+from common.kv_transport.locality import host_id
+from common.kv_transport.select import KVReceiver, make_transport
+from common.kv_transport.source import KVSource
 
 SHAPE = [3, 2, 10, 4, 2, 8]  # layers, kv, blocks, block_size, kv_heads, head_dim
 

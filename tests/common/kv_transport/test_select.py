@@ -5,7 +5,9 @@ from typing import Any
 import pytest
 
 from common.errors import TransferError
-from common.kv_transport import KV_LAYOUT, process_id, select_transport
+from common.kv_transport.blocks import KV_LAYOUT
+from common.kv_transport.locality import process_id
+from common.kv_transport.select import select_transport
 from common.registry import HandoffDescriptor
 
 HERE = "host-a"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common.errors import TransferError
-from common.kv_transport import KVReceiver, SharedMemoryPool, make_transport
+from common.kv_transport.select import KVReceiver, make_transport
+from common.kv_transport.shm import SharedMemoryPool
 
 SHAPE = [2, 2, 12, 4, 2, 8]  # layers, kv, blocks, block_size, kv_heads, head_dim
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.flags import build
 from common.models.ops import REFERENCE_OPS
 from common.models.ops_onednn import (
     OneDnnLinear,
@@ -110,13 +111,13 @@ def test_resolve_cpu_linear() -> None:
     assert resolve_cpu_linear("torch") == "torch"
     assert resolve_cpu_linear("auto") == ("onednn" if onednn_available() else "torch")
     with pytest.raises(ValueError, match="cpu_linear"):
-        EngineConfig(cpu_linear="mkl")
+        build(EngineConfig, cpu_linear="mkl")
 
 
 @pytest.fixture(scope="module")
 def engine_factory(model_cache_dir):
     def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model="SmolLM2-135M-Instruct",
+        return LLMEngine(build(EngineConfig, model="SmolLM2-135M-Instruct",
                                       model_cache_dir=str(model_cache_dir), num_kv_blocks=256,
                                       **kw))
     return make

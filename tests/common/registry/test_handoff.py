@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from common.registry import BlockRegistry, HandoffDescriptor, HandoffState, InstanceInfo
+from common.registry import HandoffDescriptor, HandoffState, InstanceInfo, Registry
 
 
 def _desc(request_id: str, source: str = "p1") -> HandoffDescriptor:
@@ -28,7 +28,7 @@ def test_descriptor_round_trips_and_validates() -> None:
         dataclasses.replace(desc, block_ids=[])
 
 
-def test_publish_claim_complete(registry: BlockRegistry) -> None:
+def test_publish_claim_complete(registry: Registry) -> None:
     registry.publish_handoff(_desc("r1"), lease_ttl_s=10)
     registry.publish_handoff(_desc("r1"), lease_ttl_s=10)  # a retried publish is a no-op
     with pytest.raises(ValueError):
@@ -58,7 +58,7 @@ def test_publish_claim_complete(registry: BlockRegistry) -> None:
     assert registry.reap_handoffs(["r1"]) == {"r1": HandoffState.EXPIRED}
 
 
-def _race(clients: list[BlockRegistry], request_id: str) -> list[HandoffDescriptor | None]:
+def _race(clients: list[Registry], request_id: str) -> list[HandoffDescriptor | None]:
     """Every client claims request_id at the same moment, from its own thread and connection."""
     barrier = threading.Barrier(len(clients))
     results: list[HandoffDescriptor | None] = [None] * len(clients)
@@ -75,8 +75,8 @@ def _race(clients: list[BlockRegistry], request_id: str) -> list[HandoffDescript
     return results
 
 
-def test_exactly_one_of_eight_concurrent_claimers_wins(registry: BlockRegistry) -> None:
-    clients = [BlockRegistry(registry.url, registry.namespace, timeout_s=2.0) for _ in range(8)]
+def test_exactly_one_of_eight_concurrent_claimers_wins(registry: Registry) -> None:
+    clients = [Registry(registry.url, registry.namespace, timeout_s=2.0) for _ in range(8)]
     try:
         for round_ in range(10):
             rid = f"r{round_}"
@@ -91,7 +91,7 @@ def test_exactly_one_of_eight_concurrent_claimers_wins(registry: BlockRegistry) 
             c.close()
 
 
-def test_lease_expiry_reads_as_expired_not_done(registry: BlockRegistry, wait_until) -> None:
+def test_lease_expiry_reads_as_expired_not_done(registry: Registry, wait_until) -> None:
     registry.publish_handoff(_desc("r1"), lease_ttl_s=1.5)
     registry.publish_handoff(_desc("r2"), lease_ttl_s=1.5)
     assert registry.claim_handoff("r1", "d1") is not None
@@ -105,7 +105,7 @@ def test_lease_expiry_reads_as_expired_not_done(registry: BlockRegistry, wait_un
     assert registry.namespace_keys() == [f"{registry.namespace}:handoff:r2"]
 
 
-def test_cancel_withdraws_a_handoff(registry: BlockRegistry) -> None:
+def test_cancel_withdraws_a_handoff(registry: Registry) -> None:
     registry.publish_handoff(_desc("r1"), lease_ttl_s=10)
     assert registry.cancel_handoff("r1") is True
     assert registry.cancel_handoff("r1") is False
@@ -113,7 +113,7 @@ def test_cancel_withdraws_a_handoff(registry: BlockRegistry) -> None:
     assert registry.reap_handoffs(["r1"]) == {"r1": HandoffState.EXPIRED}
 
 
-def test_cancel_after_a_racing_confirmation_leaves_no_marker(registry: BlockRegistry) -> None:
+def test_cancel_after_a_racing_confirmation_leaves_no_marker(registry: Registry) -> None:
     """The source read the record as pending and withdraws it, but the decode side confirmed in
     between: the done marker must not outlive the withdrawal (no poll would reap it)."""
     registry.publish_handoff(_desc("r1"), lease_ttl_s=10)
@@ -123,7 +123,7 @@ def test_cancel_after_a_racing_confirmation_leaves_no_marker(registry: BlockRegi
     assert registry.namespace_keys() == []
 
 
-def test_clear_instance_leaves_the_namespace_empty(registry: BlockRegistry) -> None:
+def test_clear_instance_leaves_the_namespace_empty(registry: Registry) -> None:
     ns = registry.namespace
     for iid in ("p1", "p2"):
         registry.register(InstanceInfo(iid, "prefill", "a:1", "m"), ttl_s=10)

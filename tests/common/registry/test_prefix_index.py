@@ -1,15 +1,15 @@
 from __future__ import annotations
 
 from common.engine.core.block_manager import hash_prefix_blocks
-from common.registry import BlockRegistry, InstanceInfo
+from common.registry import InstanceInfo, Registry
 
 
-def _register(registry: BlockRegistry, *ids: str, ttl_s: float = 10.0) -> None:
+def _register(registry: Registry, *ids: str, ttl_s: float = 10.0) -> None:
     for iid in ids:
         registry.register(InstanceInfo(iid, "prefill", "a:1", "m", block_size=4), ttl_s)
 
 
-def test_match_counts_leading_blocks(registry: BlockRegistry) -> None:
+def test_match_counts_leading_blocks(registry: Registry) -> None:
     _register(registry, "p1", "p2", "p3")
     prompt = list(range(100, 118))               # 18 tokens: 4 full blocks of 4
     h = hash_prefix_blocks(prompt, block_size=4)
@@ -24,7 +24,7 @@ def test_match_counts_leading_blocks(registry: BlockRegistry) -> None:
     assert registry.match_prefix(["p1", "p2"], []) == {"p1": 0, "p2": 0}
 
 
-def test_delta_applies_removals_first(registry: BlockRegistry) -> None:
+def test_delta_applies_removals_first(registry: Registry) -> None:
     _register(registry, "p1")
     registry.publish_prefix("p1", [1, 2, 3], [])
     assert registry.publish_prefix("p1", [], [2]) is True
@@ -36,7 +36,7 @@ def test_delta_applies_removals_first(registry: BlockRegistry) -> None:
     assert registry.match_prefix(["p1"], [2 ** 62, 5, 1]) == {"p1": 2}
 
 
-def test_large_publish(registry: BlockRegistry) -> None:
+def test_large_publish(registry: Registry) -> None:
     _register(registry, "p1")
     hashes = list(range(1, 12_001))  # more than one Lua unpack batch
     assert registry.publish_prefix("p1", hashes, []) is True
@@ -45,13 +45,13 @@ def test_large_publish(registry: BlockRegistry) -> None:
     assert registry.match_prefix(["p1"], hashes) == {"p1": 6000}
 
 
-def test_unregistered_instance_writes_nothing(registry: BlockRegistry) -> None:
+def test_unregistered_instance_writes_nothing(registry: Registry) -> None:
     assert registry.publish_prefix("ghost", [1, 2], []) is False
     assert registry.replace_prefix("ghost", [1, 2]) is False
     assert registry.namespace_keys() == []
 
 
-def test_prefix_set_disappears_with_the_instance(registry: BlockRegistry, wait_until) -> None:
+def test_prefix_set_disappears_with_the_instance(registry: Registry, wait_until) -> None:
     _register(registry, "p1", ttl_s=1.5)
     registry.publish_prefix("p1", [1, 2], [])
     assert registry.match_prefix(["p1"], [1, 2]) == {"p1": 2}
@@ -59,7 +59,7 @@ def test_prefix_set_disappears_with_the_instance(registry: BlockRegistry, wait_u
     assert registry.match_prefix(["p1"], [1, 2]) == {"p1": 0}
 
 
-def test_deregister_removes_prefix_set(registry: BlockRegistry) -> None:
+def test_deregister_removes_prefix_set(registry: Registry) -> None:
     _register(registry, "p1")
     registry.publish_prefix("p1", [1, 2], [])
     registry.deregister("p1")

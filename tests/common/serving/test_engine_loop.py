@@ -14,6 +14,7 @@ from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
 from common.errors import EngineDroppedRequest, EngineLoopStopped, InvalidRequestError
+from common.flags import build
 from common.serving.engine_loop import AsyncOutputStream, EngineLoop
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -23,7 +24,7 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in 
 
 @pytest.fixture(scope="module")
 def engine(model_cache_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_cache_dir=str(model_cache_dir), num_kv_blocks=128,
+    return LLMEngine(build(EngineConfig, model_cache_dir=str(model_cache_dir), num_kv_blocks=128,
                                   block_size=4))
 
 

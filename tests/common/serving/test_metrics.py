@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine, RequestMetrics
+from common.flags import build
 from common.serving.metrics import (
     SLO,
     DecodeMetrics,
@@ -44,7 +45,7 @@ def value(metrics, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="dummy:tiny-llama", num_kv_blocks=64, block_size=16))
+    return LLMEngine(build(EngineConfig, model="dummy:tiny-llama", num_kv_blocks=64, block_size=16))
 
 
 def test_slo_and_stream_timer():
@@ -166,7 +167,7 @@ def test_promtool_accepts_every_exposition(engine: LLMEngine):
 
 
 def test_spec_decode_counters_exported():
-    engine = LLMEngine(EngineConfig(model="dummy:tiny-llama", num_kv_blocks=64,
+    engine = LLMEngine(build(EngineConfig, model="dummy:tiny-llama", num_kv_blocks=64,
                                     speculative_method="ngram"))
     metrics = DecodeMetrics(MODEL, SLO(), lambda: engine_stats(engine))
     engine.generate([[5, 6, 7, 8] * 10], SamplingParams(max_tokens=24, temperature=0.0,
@@ -179,6 +180,6 @@ def test_spec_decode_counters_exported():
     for position, count in enumerate(c.accepted_per_position):
         assert value(metrics, "spec_decode_num_accepted_tokens_per_pos_total",
                      position=str(position)) == count
-    off = LLMEngine(EngineConfig(model="dummy:tiny-llama", num_kv_blocks=8))
+    off = LLMEngine(build(EngineConfig, model="dummy:tiny-llama", num_kv_blocks=8))
     plain = PrefillMetrics(MODEL, SLO(), lambda: engine_stats(off))
     assert not any(name.startswith("splitserve_spec_decode") for name, _ in samples(plain))

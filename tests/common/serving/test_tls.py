@@ -130,7 +130,7 @@ def test_config_validation_and_flags(pki, tmp_path):
     full = TlsConfig(tls_cert=cert, tls_key=key, tls_ca=ca, tls_client_auth=True,
                      tls_server_name="svc")
     assert full.to_argv() == ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca,
-                              "--tls-server-name", "svc", "--tls-client-auth"]
+                              "--tls-client-auth", "--tls-server-name", "svc"]
     parser = argparse.ArgumentParser()
     TlsConfig.add_cli_args(parser)
     assert TlsConfig.from_cli_args(parser.parse_args(full.to_argv())) == full

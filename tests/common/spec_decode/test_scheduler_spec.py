@@ -8,7 +8,7 @@ from common.engine.core.sequence import Sequence
 
 def make(num_blocks=32, block_size=4, budget=64):
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(8, budget, 4096), bm), bm
+    return Scheduler(SchedulerConfig(8, budget), bm, 4096), bm
 
 
 def decoding(sched, prompts, first_token=99):

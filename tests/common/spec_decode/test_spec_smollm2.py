@@ -12,6 +12,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine, RequestOutput
+from common.flags import build
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,7 +61,7 @@ def make(model_cache_dir, one_thread: None):
         config = dict(model="SmolLM2-135M-Instruct", model_cache_dir=str(model_cache_dir),
                       num_kv_blocks=320, max_num_batched_tokens=4096)
         config.update(kw)
-        return LLMEngine(EngineConfig(**config))
+        return LLMEngine(build(EngineConfig, **config))
 
     return make
 

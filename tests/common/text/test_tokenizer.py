@@ -172,11 +172,12 @@ def test_no_chat_template_is_a_clear_error(backend: Backend) -> None:
         Tokenizer(backend, {}, {}).apply_chat_template(CONVERSATIONS[0])
 
 
-def test_module_imports_neither_torch_nor_transformers(smollm2_tokenizer_dir: Path) -> None:
+def test_tokenizing_loads_neither_torch_nor_transformers(smollm2_tokenizer_dir: Path) -> None:
+    """Beyond the import (tests/test_boundaries.py): encoding and chat templates stay torch-free."""
     code = ("import sys; from common.text.tokenizer import Tokenizer; "
             f"t = Tokenizer.from_dir({str(smollm2_tokenizer_dir)!r}); t.encode('hi'); "
             "t.apply_chat_template([{'role': 'user', 'content': 'hi'}]); "
             "import common.text.detokenizer; "
             "bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)

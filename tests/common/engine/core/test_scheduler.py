@@ -11,7 +11,7 @@ from common.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, prefix=True, max_len=4096):
     bm = BlockManager(num_blocks, block_size, prefix)
-    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), bm), bm
+    return Scheduler(SchedulerConfig(max_seqs, budget), bm, max_len), bm
 
 
 def seq(rid, n, max_tokens=4, start=0):
