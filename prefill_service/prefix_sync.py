@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from common.registry import BlockRegistry
+from common.registry import Registry
 from common.serving.engine_loop import EngineLoop
 
 
 class PrefixSync:
-    def __init__(self, registry: BlockRegistry, loop: EngineLoop, instance_id: str):
+    def __init__(self, registry: Registry, loop: EngineLoop, instance_id: str):
         self.registry = registry
         self.loop = loop
         self.instance_id = instance_id
@@ -32,8 +32,14 @@ class PrefixSync:
             self.loop.call(lambda e: list(e.block_manager.cached))))
         if self.republish:
             self.republish = False
-            self.published = cached
+            self.published = set(cached)
             await asyncio.to_thread(self.registry.replace_prefix, self.instance_id, sorted(cached))
+            # add() may have run while the replace was in flight, and its write may have landed
+            # before the replace wiped the set: publish what it added once more (idempotent).
+            late = self.published - cached
+            if late:
+                await asyncio.to_thread(self.registry.publish_prefix, self.instance_id,
+                                        sorted(late), [])
             return
         added, removed = cached - self.published, self.published - cached
         if added or removed:

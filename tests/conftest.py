@@ -1,8 +1,12 @@
-"""Shared fixtures: the real default model (converted once into the user cache) and accounting."""
+"""Shared fixtures: the real default model (converted once into the user cache), accounting, and a
+real redis-server (EmbeddedRedis, a free port, never 6379) per module with a fresh registry
+namespace per test."""
 
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common.engine.config import DEFAULT_CACHE_DIR
+from common.registry import EmbeddedRedis, Registry
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def registry(redis_server: EmbeddedRedis) -> Iterator[Registry]:
+    reg = Registry(redis_server.url, namespace=f"test-{uuid.uuid4().hex[:8]}",
+                   timeout_s=1.0, retries=1, done_ttl_s=5.0)
+    yield reg
+    reg.close()
 
 
 @pytest.fixture(scope="session")

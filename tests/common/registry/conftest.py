@@ -1,30 +1,11 @@
-"""Registry fixtures: a real redis-server (EmbeddedRedis, a free port, never 6379) per module and a
-fresh namespace per test."""
+"""Registry fixtures beside tests/conftest.py's redis-server and fresh registry: wait_until."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-
-from common.registry import BlockRegistry, EmbeddedRedis
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
-        yield server
-
-
-@pytest.fixture
-def registry(redis_server: EmbeddedRedis) -> Iterator[BlockRegistry]:
-    reg = BlockRegistry(redis_server.url, namespace=f"test-{uuid.uuid4().hex[:8]}",
-                        timeout_s=1.0, retries=1, done_ttl_s=5.0)
-    yield reg
-    reg.close()
-
 
 WaitUntil = Callable[[Callable[[], bool], float], float]
 
