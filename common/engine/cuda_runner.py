@@ -188,7 +188,8 @@ class CudaGraphRunner(ModelRunner):
         # Whole rows go up (one contiguous copy). Entries past `width`, and the padding rows,
         # are stale but valid block ids, and the kernels read no token past seq_lens, so they
         # are never used.
-        self.block_tables.host[:n, :width] = torch.tensor(step.block_tables, dtype=torch.int32)
+        self.block_tables.host[:n, :width] = torch.tensor(step.block_tables,
+                                                          dtype=torch.int32).view(n, width)
         self.block_tables.dev[:rows].copy_(self.block_tables.host[:rows], non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.put(step.slot_mapping),

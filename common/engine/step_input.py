@@ -56,7 +56,8 @@ class StepInput(NamedTuple):
     slot_mapping: list[int]           # [tokens]: block * block_size + offset; padding -1
     query_start_loc: list[int]        # [rows + 1]: row b owns tokens [qsl[b], qsl[b + 1])
     seq_lens: list[int]               # [rows]: context after this step; padding 0
-    block_tables: list[list[int]]     # [num_seqs][width]: the real rows' tables, padded with 0
+    block_tables: list[int]           # [num_seqs * width], row-major: the real rows' tables,
+                                      # each padded with 0 to width (one flat list uploads fastest)
     width: int                        # the longest real block table
     num_seqs: int                     # real rows (padding rows come after them)
     num_tokens: int                   # real tokens (padding tokens come after them)
@@ -120,7 +121,7 @@ def build_step_input(rows: list[StepRow], block_size: int) -> StepInput:
     src: list[int] = []
     logit_rows: list[int] = []
     width = max(len(r.block_table) for r in rows)
-    tables: list[list[int]] = []
+    tables: list[int] = []
     num_decodes = 0
     max_query_len = 1
     for row, (tokens, start, table, num_logits) in enumerate(rows):
@@ -144,7 +145,8 @@ def build_step_input(rows: list[StepRow], block_size: int) -> StepInput:
         end = qsl[-1] + n
         qsl.append(end)
         seq_lens.append(start + n)
-        tables.append(table + [0] * (width - len(table)))
+        tables += table
+        tables += [0] * (width - len(table))
         if num_logits:
             logit_rows += range(end - num_logits, end)
     return StepInput(

@@ -132,7 +132,7 @@ def test_http_api_key(secure):
 
 def test_everything_listens_on_loopback_only(secure):
     cluster, _, _ = secure
-    assert InstanceConfig().host == GatewayConfig().host == "127.0.0.1"
+    assert InstanceConfig().server.host == GatewayConfig().server.host == "127.0.0.1"
     pids = [p.pid for p in cluster.procs.values()] + [cluster.redis.pid]
     listening = [(pid, c.laddr.ip) for pid in pids
                  for c in psutil.Process(pid).net_connections(kind="inet")

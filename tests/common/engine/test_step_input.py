@@ -45,7 +45,7 @@ def test_mixed_step():
         slot_mapping=[1 * 4 + 1, 6 * 4 + 1, 22, 23, 32, 33, 34, 4 * 4 + 3, 36, 37],
         query_start_loc=[0, 1, 2, 7, 10],
         seq_lens=[10, 6, 7, 6],
-        block_tables=[[3, 7, 1], [2, 6, 0], [5, 8, 0], [4, 9, 0]],
+        block_tables=[3, 7, 1, 2, 6, 0, 5, 8, 0, 4, 9, 0],
         width=3, num_seqs=4, num_tokens=10, num_decodes=2, max_query_len=5, max_seq_len=10,
         placeholder_dst=[1], placeholder_src=[2],
         # The decodes' tokens; the speculating row's known token and both drafts.
@@ -62,7 +62,7 @@ def test_decode_graph_padding():
         query_start_loc=[0, 1, 2, 3, 4], seq_lens=[10, 6, 0, 0], num_decodes=4)
     # The real rows' part is unchanged: tables, counts, maxima, placeholders, logit rows.
     assert (padded.block_tables, padded.width, padded.num_seqs, padded.num_tokens) == (
-        [[3, 7, 1], [2, 6, 0]], 3, 2, 2)
+        [3, 7, 1, 2, 6, 0], 3, 2, 2)
     assert (padded.max_query_len, padded.max_seq_len) == (1, 10)
     assert (padded.placeholder_dst, padded.placeholder_src, padded.logit_rows) == ([1], [2], [0, 1])
     assert step.input_ids == [42, 0]  # padding builds new lists
