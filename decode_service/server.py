@@ -33,10 +33,11 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     server.add(Service(DecodeServicer(instance, puller, metrics),
                        decode_pb2_grpc.add_DecodeServicer_to_server,
                        service_name(decode_pb2, "Decode")))
-    await server.start()
-    instance.start()
     listen = config.server
-    metrics_server = metrics.serve(listen.host, listen.metrics_port) if listen.metrics_port else None
+    metrics_server = metrics.serve(listen.host, listen.metrics_port,
+                                   instance.health) if listen.metrics_port else None
+    await server.start(serving=False)  # health: NOT_SERVING until registered
+    await instance.start(server)
     maintain = asyncio.create_task(_maintain(instance, config.stats_interval_s))
     try:
         await wait_for_signal()

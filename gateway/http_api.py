@@ -275,12 +275,22 @@ async def _unless_disconnected(http: Request, awaitable: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-def create_app(api: OpenAIApi, metrics: Callable[[], bytes] | None = None) -> FastAPI:
-    """The ASGI app; `metrics` (an exposition function) also serves /metrics."""
+def create_app(api: OpenAIApi, metrics: Callable[[], bytes] | None = None,
+               readiness: Callable[[], dict] | None = None) -> FastAPI:
+    """The ASGI app; `metrics` (an exposition function) also serves /metrics. /health answers
+    200 when `readiness()` (gateway/readiness.py's report) says ready, else 503 with that
+    report; /health/live answers 200 while the process serves HTTP at all."""
     app = FastAPI(title="splitserve", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.get("/health")
     async def health() -> Response:
+        if readiness is None:
+            return Response(status_code=200)
+        report = readiness()
+        return JSONResponse(report, status_code=200 if report["status"] == "ready" else 503)
+
+    @app.get("/health/live")
+    async def live() -> Response:
         return Response(status_code=200)
 
     @app.get("/v1/models")

@@ -49,6 +49,10 @@ class Instances:
             except redis.RedisError:
                 if not self._lists[kind]:
                     raise
+        return self.usable(kind)
+
+    def usable(self, kind: str) -> list[InstanceInfo]:
+        """The last list read of one kind, less the instances in quarantine (no registry call)."""
         return self.quarantine.filter(self._lists[kind])
 
     async def refresh(self) -> None:

@@ -21,6 +21,7 @@ from gateway.instances import Instances
 from gateway.migration import Migrator
 from gateway.model_files import wait_for_model_files
 from gateway.quarantine import Quarantine
+from gateway.readiness import Readiness
 from gateway.relay import Relay
 from gateway.resume import ResumableStreams
 from gateway.router import Router
@@ -63,10 +64,12 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
                         interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     server.add(Service(servicer, generation_pb2_grpc.add_GenerationServicer_to_server,
                        service_name(generation_pb2, "Generation")))
-    await server.start()
+    readiness = Readiness(instances, server)
+    await server.start(serving=False)  # SERVING once a prefill and a decode instance are known
     http = None
     if config.http_port:
-        app = create_app(OpenAIApi(frontend, servicer.stream), metrics.exposition)
+        app = create_app(OpenAIApi(frontend, servicer.stream), metrics.exposition,
+                         readiness.report)
         if keys.enabled:
             app.add_middleware(ApiKeyMiddleware, keys=keys)
         http = HttpServer(app, config.server.host, config.http_port)
@@ -75,6 +78,7 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
     metrics_server = metrics.serve(listen.host, listen.metrics_port) if listen.metrics_port \
         else None
     discovery = asyncio.create_task(instances.run())
+    health = asyncio.create_task(readiness.run())
     log.info("gateway serving %s on %s:%d (HTTP %s, metrics %s; registry %s, namespace %s)",
              frontend.model_name, listen.host, server.port, http.port if http else "off",
              listen.metrics_port or "off", config.registry.url, config.registry.namespace)
@@ -91,7 +95,8 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
         if metrics_server is not None:
             metrics_server.close()
         discovery.cancel()
-        await asyncio.gather(discovery, return_exceptions=True)
+        health.cancel()
+        await asyncio.gather(discovery, health, return_exceptions=True)
         await instances.close()
         registry.close()
         log.info("gateway stopped in %.1f s", time.monotonic() - stopping)

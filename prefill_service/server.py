@@ -55,10 +55,11 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     server.add(Service(KVTransferServicer(source),
                        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server,
                        service_name(kv_transfer_pb2, "KVTransfer")))
-    await server.start()
-    instance.start()
     listen = config.server
-    metrics_server = metrics.serve(listen.host, listen.metrics_port) if listen.metrics_port else None
+    metrics_server = metrics.serve(listen.host, listen.metrics_port,
+                                   instance.health) if listen.metrics_port else None
+    await server.start(serving=False)  # health: NOT_SERVING until registered
+    await instance.start(server)
     background = [asyncio.create_task(holds.run()),
                   asyncio.create_task(_maintain(instance, prefixes, config))]
     try:

@@ -16,6 +16,7 @@ COMMANDS = {
     "prefill": "Run one prefill service.",
     "decode": "Run one decode service.",
     "generate": "Send a prompt to a running gateway and stream the answer.",
+    "health": "Check a service's readiness (gRPC health, or an HTTP /health); exit 0 if ready.",
     "run-batch": "Run an OpenAI batch file (JSONL) offline through the in-process engine.",
     "bench": "Benchmark a running gateway (gRPC or HTTP) and/or HF transformers on one workload.",
 }

@@ -25,7 +25,7 @@ from common.text.openai_protocol import error_body
 
 BEARER = "bearer "
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
-OPEN_HTTP_PATHS = ("/health",)
+OPEN_HTTP_PATHS = ("/health", "/health/live")
 MISSING = "no API key: send the header `authorization: Bearer <key>`"
 WRONG = "the API key is not valid"
 

@@ -158,22 +158,25 @@ class GrpcServer:
         service.add_to_server(service.servicer, self.server)
         self.service_names.append(service.name)
 
-    async def start(self) -> None:
+    async def start(self, serving: bool = True) -> None:
+        """Start serving calls; health reports SERVING at once, or (serving=False) NOT_SERVING
+        until set_serving(True) (a service becomes ready once it is registered)."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection(
             (*self.service_names, health_name, reflection.SERVICE_NAME), self.server)
         await self.server.start()
-        await self.set_serving(True)
+        await self.set_serving(serving)
 
     async def set_serving(self, serving: bool) -> None:
+        """The health status of the server ("") and of every service added."""
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
-        """Report NOT_SERVING, refuse new calls, let in-flight calls finish within grace_s."""
+        """Report NOT_SERVING (for good), refuse new calls, let in-flight calls finish within grace_s."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 

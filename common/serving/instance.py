@@ -1,6 +1,10 @@
 """What a prefill and a decode service share: the instance settings (address, registry, heartbeat),
 and one running instance: an engine on its loop thread, registered in the block registry with its
 load refreshed, answering Stats. The two services add their own RPCs on top.
+
+Readiness: the gRPC health (and /health beside /metrics) says NOT_SERVING until the instance is
+registered (its model is loaded before), SERVING from then on, and NOT_SERVING again from the
+first step of `stop`, before the record leaves the registry.
 """
 
 from __future__ import annotations
@@ -81,10 +85,15 @@ class ServiceInstance:
                             total_blocks=engine.block_manager.num_blocks,
                             free_blocks=engine.block_manager.num_free_blocks)
         self.heartbeat = Heartbeat(registry, info, config.heartbeat_ttl_s)
+        self.ready = False  # registered and not draining
 
-    def start(self) -> None:
+    async def start(self, server: GrpcServer) -> None:
+        """Start the engine's thread, register, then report SERVING on `server` (started with
+        serving=False)."""
         self.loop.start()
         self.heartbeat.start()
+        self.ready = True
+        await server.set_serving(True)
         log.info("%s %s serving %s at %s", self.kind, self.instance_id, self.engine.model_name,
                  self.address)
 
@@ -103,6 +112,11 @@ class ServiceInstance:
                               num_running=counts["num_running"],
                               free_blocks=counts["num_free_blocks"])
 
+    def health(self) -> dict:
+        """The body of /health on the metrics port (common/serving/metrics.py)."""
+        return {"status": "ready" if self.ready else "not ready", "kind": self.kind,
+                "instance_id": self.instance_id}
+
     def engine_stats(self) -> EngineStats:
         """A snapshot for /metrics, taken on the engine's thread (blocks the scraping thread
         until the current step ends)."""
@@ -115,7 +129,7 @@ class ServiceInstance:
                    close_after_engine: Sequence[Callable[[], None]] = ()) -> None:
         """The shutdown order of both services, each step before the next:
 
-        1. leave the registry (the gateway stops routing here);
+        1. report NOT_SERVING and leave the registry (the gateway stops routing here);
         2. let in-flight RPCs finish for `grace_s`, then stop the gRPC server;
         3. cancel the service's background tasks;
         4. `drain()`: give back what the service holds for others (prefill: held handoffs);
@@ -124,6 +138,8 @@ class ServiceInstance:
         """
         stopping = time.monotonic()
         log.info("%s %s stopping", self.kind, self.instance_id)
+        self.ready = False
+        await server.set_serving(False)
         self.heartbeat.stop(deregister=True)
         await server.stop(grace_s)
         for task in background:

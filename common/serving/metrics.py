@@ -20,6 +20,7 @@ A request meets its stage's SLO when every objective given (--slo-ttft-ms, --slo
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app, start_wsgi_server
 
 if TYPE_CHECKING:
     from common.engine.engine import LLMEngine, RequestMetrics
@@ -88,11 +89,35 @@ class StreamTimer:
         return (self.last_token - self.first_token) / (self.num_tokens - 1)
 
 
-class MetricsServer:
-    """/metrics of one registry over HTTP, on a thread of its own."""
+# A readiness report: {"status": "ready" | "not ready", ...}; /health answers 200 for "ready".
+HealthReport = Callable[[], dict]
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
-        self._server, self._thread = start_http_server(port, host, registry)
+
+def _with_health(metrics_app: Callable, health: HealthReport) -> Callable:
+    """A WSGI app answering /health from `health()` (200 or 503, the report as JSON) and
+    everything else from `metrics_app`."""
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        if environ.get("PATH_INFO") != "/health":
+            return metrics_app(environ, start_response)
+        report = health()
+        body = json.dumps(report).encode()
+        status = "200 OK" if report.get("status") == "ready" else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "application/json"),
+                                ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+class MetricsServer:
+    """/metrics of one registry over HTTP (and /health, given a report), on a thread of its
+    own."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 health: HealthReport | None = None):
+        self._server, self._thread = start_wsgi_server(port, host, registry)
+        if health is not None:
+            self._server.set_app(_with_health(make_wsgi_app(registry), health))
 
     @property
     def port(self) -> int:
@@ -142,8 +167,8 @@ class ServiceMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, host: str, port: int) -> MetricsServer:
-        return MetricsServer(self.registry, host, port)
+    def serve(self, host: str, port: int, health: HealthReport | None = None) -> MetricsServer:
+        return MetricsServer(self.registry, host, port, health)
 
 
 class GatewayMetrics(ServiceMetrics):

@@ -126,8 +126,9 @@ def test_http_api_key(secure):
     assert post({"authorization": "Bearer nope"})[0] == 401
     status, answer = post({"authorization": f"Bearer {KEY}"})
     assert status == 200 and answer["usage"]["completion_tokens"] == 3
-    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:  # probes need no key
-        assert r.status == 200
+    for probe in ("/health", "/health/live"):  # probes need no key
+        with urllib.request.urlopen(f"{url}{probe}", timeout=5) as r:
+            assert r.status == 200
 
 
 def test_everything_listens_on_loopback_only(secure):

@@ -3,8 +3,10 @@ HTTP endpoint, and promtool's verdict on every exposition."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
@@ -145,6 +147,25 @@ def test_registries_are_separate_and_served_over_http():
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
             body = r.read().decode()
         assert 'splitserve_num_requests_running{model_name="tiny"} 2.0' in body
+    finally:
+        server.close()
+
+
+def test_health_beside_metrics():
+    """/health answers the readiness report: 200 when ready, else 503; /metrics is unchanged."""
+    report = {"status": "not ready", "kind": "decode", "instance_id": "d0"}
+    server = GatewayMetrics(MODEL, SLO(), lambda: 0).serve("127.0.0.1", 0, lambda: report)
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/health", timeout=5)
+        assert refused.value.code == 503
+        assert json.loads(refused.value.read()) == report
+        report["status"] = "ready"
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            assert (r.status, json.loads(r.read())) == (200, report)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            assert b"splitserve_num_requests_running" in r.read()
     finally:
         server.close()
 
