@@ -2,10 +2,30 @@
 
 Starts a private Redis (unless --registry-url), converts the model once (so the services do not
 all convert it at the same time), starts the prefill and decode services and the gateway, waits
-until the gateway sees every instance, prints how to send a first request, and stops everything
-on Ctrl-C (or when a service exits).
-"""
+until the gateway sees every instance, prints how to send a first request, then supervises the
+services until Ctrl-C or SIGTERM.
 
+Supervision (--on-service-exit, splitserve.launch.Supervisor):
+
+- restart (the default, like compose's `restart: unless-stopped`): a prefill or decode service
+  that exits is logged (one line on stderr:
+  `service exited: role=decode name=decode-1 pid=... exit=SIGKILL restart=1 in_s=1`) and started
+  again with the same argv after a backoff (--restart-backoff-s, doubling up to
+  --restart-max-backoff-s); it registers under a new instance id, and the gateway's migration
+  and retries carry its requests to the others meanwhile. The gateway is restarted the same way,
+  on its port: the streams it carried end with it (clients see UNAVAILABLE and may retry), but
+  stopping the stack would lose the same streams and serve nothing after. The private
+  redis-server is restarted at once on its port: the services re-register on their next
+  heartbeat (docs/RELIABILITY.md, "Redis restart"); if it cannot start again the stack stops.
+  A service that exits more than --max-restarts times within --restart-window-s is a crash
+  loop: everything stops, exit status 1.
+- stop: the first service that exits stops the stack (exit status 1).
+
+A service that exits before the stack is up stops it in both modes (a bad flag, a missing model:
+a restart would fail the same way). Ctrl-C and SIGTERM stop everything and restart nothing: the
+services get SIGTERM (SIGKILL after 15 s), then the redis-server stops; a child started by a
+restart the signal cut short is ended too.
+"""
 from __future__ import annotations
 
 import argparse
@@ -15,13 +35,17 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from common.engine.config import EngineConfig
 from common.flags import leaf, to_argv
 from common.serving.auth import AuthConfig
 from common.serving.tls import TlsConfig
 from gateway.config import GatewayConfig
-from splitserve.launch import service_argv, start_service, stop_services
+from splitserve.launch import RestartBudget, RestartPolicy, Supervisor, service_argv
+
+if TYPE_CHECKING:
+    from common.registry import EmbeddedRedis
 
 START_TIMEOUT_S = 600.0
 
@@ -43,6 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-decode", type=int, default=1, help="decode services to start")
     g.add_argument("--host", default=leaf(GatewayConfig, "host").default,
                    help="address every service listens on")
+    s = parser.add_argument_group("supervision")
+    s.add_argument("--on-service-exit", choices=("restart", "stop"), default="restart",
+                   help="a service that exits: start it again (after a backoff), or stop the "
+                        "whole stack")
+    s.add_argument("--restart-backoff-s", type=float, default=RestartPolicy.backoff_s,
+                   help="pause before a service's first restart; doubles with each restart "
+                        "within --restart-window-s")
+    s.add_argument("--restart-max-backoff-s", type=float, default=RestartPolicy.max_backoff_s,
+                   help="the longest pause before a restart")
+    s.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="restarts of one service within --restart-window-s; one exit more "
+                        "is a crash loop and stops the stack")
+    s.add_argument("--restart-window-s", type=float, default=RestartPolicy.window_s,
+                   help="the window (seconds) over which --max-restarts counts a service's exits")
     EngineConfig.add_cli_args(parser)  # passed on to the prefill and decode services
     # Every service gets the TLS flags; the gateway's public port never asks for a client
     # certificate (the API key, passed to the gateway only, authenticates clients).
@@ -53,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         print("--num-prefill and --num-decode must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        policy = RestartPolicy(args.restart_backoff_s, args.restart_max_backoff_s,
+                               args.max_restarts, args.restart_window_s)
+    except ValueError as e:
+        print(f"restart policy: {e}", file=sys.stderr)
         return 2
     engine = EngineConfig.from_cli_args(args)
     tls, auth = TlsConfig.from_cli_args(args), AuthConfig.from_cli_args(args)
@@ -83,20 +127,20 @@ def run(args: argparse.Namespace) -> int:
         gateway_flags += ["--served-model-name", engine.model.served_model_name]
     last_port = args.metrics_port + args.num_prefill + args.num_decode
     metrics_ports = iter(range(args.metrics_port, last_port + 1) if args.metrics_port else ())
-    procs: list[subprocess.Popen] = []
+    supervisor = Supervisor(policy if args.on_service_exit == "restart" else None)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         gateway_metrics = next(metrics_ports, 0)
         for role, n, flags in (("prefill", args.num_prefill, prefill_flags),
                                ("decode", args.num_decode, engine_flags)):
-            procs += [start_service(service_argv(role, **common, extra=flags,
-                                                 metrics_port=next(metrics_ports, 0)))
-                      for _ in range(n)]
-        procs.append(start_service(service_argv(
+            for i in range(n):
+                supervisor.start(f"{role}-{i}", service_argv(
+                    role, **common, extra=flags, metrics_port=next(metrics_ports, 0)))
+        supervisor.start("gateway", service_argv(
             "gateway", port=args.grpc_port, **common, metrics_port=gateway_metrics,
-            http_port=args.http_port, extra=gateway_flags)))
+            http_port=args.http_port, extra=gateway_flags))
         address = f"{args.host}:{args.grpc_port}"
-        _wait_ready(address, args.num_prefill, args.num_decode, procs, tls,
+        _wait_ready(address, args.num_prefill, args.num_decode, supervisor.procs, tls,
                     auth.client_key())
         http = (f"OpenAI-compatible API at http://{args.host}:{args.http_port}/v1; "
                 if args.http_port else "")
@@ -106,9 +150,13 @@ def run(args: argparse.Namespace) -> int:
               f"{args.num_decode} decode; {http}{metrics}send a first request with\n\n"
               f"    splitserve generate --gateway {address} \"Write a haiku about the sea.\"\n\n"
               "Ctrl-C stops everything.", flush=True)
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        print("a service exited; stopping the stack", file=sys.stderr)
+        reason = None
+        while reason is None:
+            time.sleep(0.2)
+            reason = supervisor.poll()
+            if reason is None and redis is not None and not _alive(redis.pid):
+                redis, reason = _restart_redis(redis, supervisor.budget)
+        print(f"{reason}; stopping the stack", file=sys.stderr)
         return 1
     except (RuntimeError, TimeoutError) as e:
         print(f"{e}; stopping the stack", file=sys.stderr)
@@ -119,13 +167,53 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut this short
             signal.signal(sig, signal.SIG_IGN)
-        stop_services(procs)
+        supervisor.stop()
         if redis is not None:
             redis.stop()
+        _end_leftover_children()
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _alive(pid: int | None) -> bool:
+    import psutil
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _restart_redis(redis: EmbeddedRedis, budget: RestartBudget | None,
+                   ) -> tuple[EmbeddedRedis | None, str | None]:
+    """The private redis-server died: a new one on its port, or (None, why the stack stops)."""
+    from common.registry import EmbeddedRedis
+    pid, port = redis.pid, redis.port
+    redis.stop()
+    verdict = None if budget is None else budget.on_exit("redis", time.monotonic())
+    print(f"service exited: role=redis name=redis pid={pid} "
+          f"restart={'none' if verdict is None else verdict[0]}", file=sys.stderr, flush=True)
+    if verdict is None:
+        return None, f"the private redis-server (pid {pid}) exited" + (
+            "" if budget is None else " too often (crash loop)")
+    try:
+        redis = EmbeddedRedis(port=port)
+    except RuntimeError as e:
+        return None, f"the private redis-server exited and did not start again: {e}"
+    print(f"service restarted: name=redis pid={redis.pid} restart={verdict[0]}",
+          file=sys.stderr, flush=True)
+    return redis, None
+
+
+def _end_leftover_children() -> None:
+    """A child that a signal caught between fork and Popen's return has no Popen to stop it."""
+    import psutil
+    left = psutil.Process().children()
+    for p in left:
+        p.terminate()
+    for p in psutil.wait_procs(left, timeout=5.0)[1]:
+        p.kill()
 
 
 def _wait_ready(address: str, num_prefill: int, num_decode: int,
