@@ -166,10 +166,9 @@ class Supervisor:
             if self.budget is None:
                 return f"{name} (pid {child.proc.pid}) exited with {exit_status(code)}"
             verdict = self.budget.on_exit(name, now)
-            restart = "none" if verdict is None else verdict[0]
+            restart = "none" if verdict is None else f"{verdict[0]} in_s={verdict[1]:g}"
             print(f"service exited: role={name.split('-')[0]} name={name} pid={child.proc.pid} "
-                  f"exit={exit_status(code)} restart={restart}" + ("" if verdict is None else f" in_s={verdict[1]:g}"),
-                  file=sys.stderr, flush=True)
+                  f"exit={exit_status(code)} restart={restart}", file=sys.stderr, flush=True)
             if verdict is None:
                 policy = self.budget.policy
                 return (f"{name} is crash-looping: {policy.max_restarts + 1} exits within "

@@ -29,6 +29,15 @@ from protos.splitserve.v1 import (
 )
 from splitserve.launch import service_argv, start_service, stop_services
 
+# Flags that make failures show fast (short heartbeats, leases and discovery; a gateway that
+# retries long enough to outlive a restart): the chaos and scale-down tests start services so.
+LEASE_S = 3.0
+SERVICE_FLAGS = ["--heartbeat-ttl-s", "1.5", "--stats-interval-s", "0.1"]
+PREFILL_FLAGS = [*SERVICE_FLAGS, "--handoff-lease-s", str(LEASE_S), "--reap-interval-s", "0.05"]
+DECODE_FLAGS = [*SERVICE_FLAGS, "--pull-timeout-s", "5"]
+GATEWAY_FLAGS = ["--discovery-interval-s", "0.1", "--request-timeout-s", "120",
+                 "--max-retries", "4", "--retry-wait-s", "8", "--quarantine-s", "3"]
+
 
 def wait_until(what: str, check: Callable[[], object], timeout_s: float,
                interval_s: float = 0.05) -> object:

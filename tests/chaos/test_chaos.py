@@ -25,20 +25,21 @@ from common.engine.engine import LLMEngine
 from common.flags import build
 from protos.splitserve.v1 import types_pb2
 from tests.chaos.load import Load
-from tests.cluster import Cluster, wait_until
+from tests.cluster import (
+    DECODE_FLAGS,
+    GATEWAY_FLAGS,
+    LEASE_S,
+    PREFILL_FLAGS,
+    Cluster,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "dummy:tiny-llama"
 VOCAB = 512
-LEASE_S = 3.0
 ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
                 "--max-num-batched-tokens", "1024"]
-SERVICE_FLAGS = ["--heartbeat-ttl-s", "1.5", "--stats-interval-s", "0.1"]
-PREFILL_FLAGS = [*SERVICE_FLAGS, "--handoff-lease-s", str(LEASE_S), "--reap-interval-s", "0.05"]
-DECODE_FLAGS = [*SERVICE_FLAGS, "--pull-timeout-s", "5"]
-GATEWAY_FLAGS = ["--discovery-interval-s", "0.1", "--request-timeout-s", "120",
-                 "--max-retries", "4", "--retry-wait-s", "8", "--quarantine-s", "3"]
 # What to kill (SIGKILL), in order; "freeze:" hangs the process (SIGSTOP) until every stream in
 # flight has moved on without it (gRPC keepalive), then kills it.
 FAULTS = ["decode-0", "prefill-0", "redis", "decode-1", "prefill-1", "freeze:decode-0"]

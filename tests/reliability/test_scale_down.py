@@ -30,22 +30,23 @@ from common.engine.engine import LLMEngine
 from common.flags import build
 from protos.splitserve.v1 import generation_pb2_grpc, types_pb2
 from tests.chaos.load import Outcome, Spec
-from tests.cluster import Cluster, wait_until
+from tests.cluster import (
+    DECODE_FLAGS,
+    GATEWAY_FLAGS,
+    LEASE_S,
+    PREFILL_FLAGS,
+    Cluster,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "dummy:tiny-llama"
 NUM_STREAMS = 8
 MAX_TOKENS = 200
-LEASE_S = 3.0
 EXIT_MARGIN_S = 10.0  # after the grace: cancel, stop the engine's thread, close the registry
 ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
                 "--cpu-threads", "1"]
-SERVICE_FLAGS = ["--heartbeat-ttl-s", "1.5", "--stats-interval-s", "0.1"]
-PREFILL_FLAGS = [*SERVICE_FLAGS, "--handoff-lease-s", str(LEASE_S), "--reap-interval-s", "0.05"]
-DECODE_FLAGS = [*SERVICE_FLAGS, "--pull-timeout-s", "5"]
-GATEWAY_FLAGS = ["--discovery-interval-s", "0.1", "--request-timeout-s", "120",
-                 "--max-retries", "4", "--retry-wait-s", "8", "--quarantine-s", "3"]
 SPECS = [Spec(f"sd-{i}", [3 + (11 * i + 7 * j) % 500 for j in range(12 + 4 * i)], MAX_TOKENS)
          for i in range(NUM_STREAMS)]
 
