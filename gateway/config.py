@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common.engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from common.engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, served_model_name
 from common.flags import add_args, from_args, group, opt
 from common.serving.config import RegistryConfig, ServerConfig, SLOConfig
 
@@ -86,9 +86,7 @@ class GatewayConfig:
 
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return self.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+        return served_model_name(self.model, self.served_model_name)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

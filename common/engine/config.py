@@ -25,6 +25,16 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "splitserve"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
+def served_model_name(model: str, served_model_name: str | None) -> str:
+    """What clients call the model: --served-model-name, else --model's last path part without
+    .gguf (a dummy:<shape> spec as it is). The engine and the gateway both name it so."""
+    if served_model_name:
+        return served_model_name
+    if model.startswith("dummy:"):
+        return model
+    return model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
     name: str = opt(DEFAULT_MODEL, "model: a HF directory, a .gguf file, SmolLM2-135M-Instruct, "
@@ -60,12 +70,7 @@ class ModelSettings:
 
     @property
     def served_name(self) -> str:
-        """What clients call the model: --served-model-name, else --model's last part."""
-        if self.served_model_name:
-            return self.served_model_name
-        if self.is_dummy:
-            return self.name
-        return Path(self.name).name.removesuffix(".gguf") if "/" in self.name else self.name
+        return served_model_name(self.name, self.served_model_name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,3 +98,13 @@ def test_real_configs_validate_in_their_groups() -> None:
         build(GatewayConfig, max_retries=-1)
     prefill = build(PrefillServiceConfig, host="0.0.0.0", slo_ttft_ms=250.0)
     assert prefill.server.host == "0.0.0.0" and prefill.slo.objective.ttft_s == 0.25
+
+
+@pytest.mark.parametrize("spec, served, want", [
+    ("SmolLM2-135M-Instruct", None, "SmolLM2-135M-Instruct"), ("dummy:tiny-llama", None,
+    "dummy:tiny-llama"), ("/models/llama/", None, "llama"), ("weights/m.gguf", None, "m"),
+    ("m.gguf", None, "m"), ("/models/llama", "mine", "mine")])
+def test_engine_and_gateway_name_the_model_alike(spec: str, served: str | None, want: str) -> None:
+    engine = build(EngineConfig, model=spec, served_model_name=served)
+    gateway = build(GatewayConfig, model=spec, served_model_name=served)
+    assert engine.model_name == gateway.model_name == want
