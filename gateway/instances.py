@@ -5,6 +5,8 @@ Channels stay open after their instance leaves the registry: a service that dere
 shutdown still finishes the streams it has, and one restarted at the same address is reconnected.
 Instances in quarantine (gateway/quarantine.py) are left out of the lists; while the registry is
 unreachable (Redis restarting), the last lists read stand: the services outlive the outage.
+Every new read is handed to the `on_refresh` callbacks (the gateway's readiness), whoever asked
+for it, so what a request saw and what the health check says never disagree.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 import redis
@@ -39,6 +42,7 @@ class Instances:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._decode: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self.on_refresh: list[Callable[[], Awaitable[object]]] = []
 
     async def get(self, kind: str) -> list[InstanceInfo]:
         """Live instances of one kind, not in quarantine; re-read now if the list is empty or
@@ -60,6 +64,8 @@ class Instances:
             lambda: {k: self.registry.list_instances(k) for k in KINDS})
         self._lists = lists
         self._read_at = time.monotonic()
+        for callback in self.on_refresh:
+            await callback()
 
     async def run(self) -> None:
         """Keep the lists fresh; runs until cancelled."""

@@ -4,8 +4,10 @@ last call failed and they did not answer a health check). Local prefill (--local
 covers only short prompts, so a prefill instance is needed all the same.
 
 `missing_kinds` is the rule, pure Python over the instance lists; `Readiness` applies it to the
-gateway's view (gateway/instances.py) after every discovery round and sets the gRPC health of the
-server ("") and of splitserve.v1.Generation to match; the HTTP /health answers from `report()`.
+gateway's view (gateway/instances.py) after every read of the registry (the discovery round's, or
+one a request triggered) and every half discovery interval (a quarantine runs out without a read),
+and sets the gRPC health of the server ("") and of splitserve.v1.Generation to match; the HTTP
+/health answers from `report()`.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ def missing_kinds(usable: Mapping[str, Sequence[InstanceInfo]]) -> list[str]:
 
 
 class Readiness:
-    """The gateway's readiness, recomputed from its instance view every half discovery interval;
-    /health and gRPC health both answer from the last computation, so they never disagree."""
+    """The gateway's readiness, recomputed from its instance view on each of its reads and every
+    half discovery interval; /health and gRPC health both answer from the last computation, so
+    they never disagree."""
 
     def __init__(self, instances: Instances, server: GrpcServer):
         self.instances = instances
         self.server = server
         self._report = self.compute()
         self.ready: bool | None = None  # what gRPC health says; None until the first update
+        instances.on_refresh.append(self.update)
 
     def compute(self) -> dict:
         """The body of /health: status, the kinds missing, the usable instances per kind."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.registry import EmbeddedRedis, Registry
 from common.registry.embedded import free_port
@@ -144,7 +145,8 @@ class Cluster:
                 for i in self.registry.list_instances(kind)}
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until every current incarnation is registered and the gateway sees them."""
+        """Until every current incarnation is registered, the gateway sees them, and its gRPC
+        health says SERVING (what a deployment's probe waits for)."""
         def ready() -> bool:
             dead = [s for s, p in self.procs.items() if p.poll() is not None]
             if dead:
@@ -154,8 +156,12 @@ class Cluster:
             info = self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=2.0,
                                        metadata=self.metadata)
             n_prefill = sum(s.startswith("prefill") for s in self.slots)
-            return (info.num_prefill_instances >= n_prefill
-                    and info.num_decode_instances >= len(self.slots) - n_prefill)
+            if (info.num_prefill_instances < n_prefill
+                    or info.num_decode_instances < len(self.slots) - n_prefill):
+                return False
+            health = health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2.0)
+            return health.status == health_pb2.HealthCheckResponse.SERVING
 
         wait_until("the stack to come up", ready, timeout_s, interval_s=0.2)
 
