@@ -90,6 +90,18 @@ class TransferError(UnavailableError, RuntimeError):
     receiver's reserved blocks hold garbage and the caller frees them (kv_transport/base.py)."""
 
 
+class PeerGoneError(UnavailableError):
+    """The prefill instance whose KV a decode service's reservation waits for left the registry
+    (its heartbeat lease ran out); the reservation is freed and the gateway resumes the request."""
+
+
+class HandoffNotFoundError(SplitserveError, LookupError):
+    """A prefill service delivered the KV of a request that no Decode call waits for (it was
+    cancelled, or never came); the prefill side releases its blocks."""
+
+    grpc_status, http_status = "NOT_FOUND", 404
+
+
 class DeadlineExceededError(SplitserveError, TimeoutError):
     """The request's deadline (the client's, or --request-timeout-s) passed."""
 

@@ -11,11 +11,14 @@ from common.serving.instance import InstanceConfig
 @dataclass(frozen=True, slots=True)
 class DecodeServiceConfig(InstanceConfig):
     pull_timeout_s: float = opt(30.0, "longest a KV pull from a prefill service may take")
-    lease_renew_s: float = opt(10.0, "while pulling a handoff, its lease is set to this long "
-                               "every third of it, so a long pull outlives the prefill side's "
-                               "lease")
+    deliver_wait_s: float = opt(5.0, "how long a prefill service's delivery waits for the "
+                                "request's Decode call to arrive (the gateway sends both at once)")
+    peer_check_s: float = opt(1.0, "while a request waits for its KV, how often the prefill "
+                              "instance's registry record is checked; when it is gone the "
+                              "reserved blocks are freed")
 
     def __post_init__(self) -> None:
         InstanceConfig.__post_init__(self)
-        if self.pull_timeout_s <= 0 or self.lease_renew_s <= 0:
-            raise ValueError("--pull-timeout-s and --lease-renew-s must be positive")
+        if min(self.pull_timeout_s, self.deliver_wait_s, self.peer_check_s) <= 0:
+            raise ValueError("--pull-timeout-s, --deliver-wait-s and --peer-check-s must be "
+                             "positive")

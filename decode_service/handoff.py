@@ -1,8 +1,28 @@
-"""Taking over a handoff: claim the record, reserve blocks, pull the KV, confirm.
+"""Taking over a prefilled request: blocks reserved when its Decode call arrives, filled when the
+prefill service delivers the KV, verified, then handed to the engine.
 
-Block ownership: the blocks reserved here belong to the caller of pull() once it returns (it
-hands them to the engine with Prefilled); on any failure or cancellation they are freed here, but
-only after the transfer thread stopped writing into them.
+    Decode call (from the gateway):  take(rid, n, prefill) -> reserve n blocks -> wait ...
+    Deliver call (from the prefill):   deliver(rid, desc)  -> pull + verify into them -> reply
+    Decode call:                                   ... -> Taken(blocks) -> Prefilled -> engine
+
+The gateway sends the Decode and Prefill calls at the same moment, so the reservation (which
+waits for the engine thread between two steps) overlaps the prefill's queueing and compute, and
+nothing but the pull and its checksum lies between the prefill's first token and the request
+joining the batch: no registry round trip, no second call from the gateway. Either call may
+arrive first (a cached prompt prefills in a millisecond); Deliver waits up to `wait_s` for its
+Decode call.
+
+Leases: the prefill side holds its blocks for the Deliver call only, and that call's deadline is
+its lease: the pull must end (and its KV be verified) with `DEADLINE_MARGIN_S` to spare, or the KV
+is discarded, since after the deadline the source may reuse its blocks. The reservation here
+lives as long as the Decode call; while it waits, the prefill instance's registry record (kept
+alive by its heartbeat) is checked every `peer_check_s`, and when it is gone the reservation is
+freed and the request ends UNAVAILABLE (the gateway migrates it).
+
+Block ownership: the reserved blocks belong to the slot until take() returns them (the caller
+gives them to the engine with Prefilled). Whoever ends the slot otherwise (the Decode call
+cancelled, the pull failed, the peer gone) frees them, but only after the pull thread stopped
+writing into them.
 """
 
 from __future__ import annotations
@@ -10,138 +30,206 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import redis
+import torch
 
-from common.errors import TransferError
+from common.errors import HandoffNotFoundError, InvalidRequestError, PeerGoneError, TransferError
 from common.kv_transport.select import KVReceiver
-from common.registry import Registry
+from common.registry import HandoffDescriptor, Registry
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import DecodeMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
 
 log = logging.getLogger("splitserve.decode.handoff")
 
-
-class HandoffFailed(Exception):
-    """The handoff's KV cannot be used (record gone or claimed elsewhere, transfer or checksum
-    failure, lease expired during the pull); the prompt must be recomputed here."""
+DEADLINE_MARGIN_S = 0.05  # a pull ending closer than this to the Deliver deadline is discarded
 
 
-class HandoffPuller:
-    def __init__(self, registry: Registry, loop: EngineLoop, instance_id: str,
-                 timeout_s: float, metrics: DecodeMetrics, lease_renew_s: float = 10.0,
+@dataclass(slots=True)
+class Taken:
+    """A prefilled request's KV as take() hands it over. block_ids None: the KV could not be used
+    (failure says why) and the prompt is recomputed here; the first token stays an output."""
+    block_ids: list[int] | None
+    first_token_id: int
+    reserve_ms: float
+    handoff_ms: float
+    failure: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    """One request between its Decode call and its delivery (see the module docstring)."""
+    request_id: str
+    reserved: asyncio.Future          # (blocks, event) once reserved; cancelled: the call left
+    delivered: asyncio.Future         # Taken, set by deliver()
+    blocks: list[int] = field(default_factory=list)  # reserved, not yet handed to anyone
+    pulling: bool = False             # the pull thread writes into blocks
+    ended: bool = False               # the Decode call left: nobody takes the blocks
+
+
+class HandoffInbox:
+    def __init__(self, registry: Registry, loop: EngineLoop, timeout_s: float,
+                 metrics: DecodeMetrics, *, wait_s: float = 5.0, peer_check_s: float = 1.0,
                  tls: TlsConfig = PLAINTEXT):
-        """tls: this service's TlsConfig; grpc pulls dial prefill services with it."""
+        """timeout_s: the longest a pull may take. tls: this service's TlsConfig; grpc pulls dial
+        prefill services with it."""
         self.registry = registry
-        self.lease_renew_s = lease_renew_s
         self.loop = loop
-        self.instance_id = instance_id
+        self.wait_s = wait_s
+        self.peer_check_s = peer_check_s
         self.receiver = KVReceiver(timeout_s=timeout_s, tls=tls)
         # Transports keep per-source state and are used by one thread at a time.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
-        self.pending: set[str] = set()
+        self.slots: dict[str, _Slot] = {}
+        # Requests whose Decode call ended without its KV, and when: a delivery that comes
+        # later is refused at once instead of waiting wait_s for a call that will not come.
+        self.gone: dict[str, float] = {}
         self.transports_used: dict[str, int] = {}
         self.metrics = metrics
 
-    async def pull(self, handoff_id: str) -> list[int]:
-        """Blocks of this engine's pool now holding the handoff's prompt KV (caller owns them).
+    @property
+    def pending(self) -> set[str]:
+        """Requests with blocks reserved that wait for (or are receiving) their KV."""
+        return {rid for rid, slot in self.slots.items() if slot.reserved.done()}
 
-        One job on the pull thread claims, reserves (waiting on the engine thread directly),
-        copies, verifies and confirms: one hop from the event loop and back, not one per step."""
-        self.pending.add(handoff_id)
-        job = asyncio.get_running_loop().run_in_executor(self._executor, self._take, handoff_id)
-        renewal = asyncio.get_running_loop().create_task(self._renew(handoff_id))
-        keep = False
-        try:
-            taken = await asyncio.shield(job)
-            keep = True
-            return taken
-        finally:
-            renewal.cancel()
-            self.pending.discard(handoff_id)
-            if not keep:  # cancelled: free what the job reserved once it is done with it
-                self._free_when_done(job)
+    def _slot(self, request_id: str) -> _Slot:
+        slot = self.slots.get(request_id)
+        if slot is None:
+            aio = asyncio.get_running_loop()
+            slot = self.slots[request_id] = _Slot(request_id, aio.create_future(),
+                                                  aio.create_future())
+        return slot
 
-    def _free_when_done(self, future: asyncio.Future | Future,
-                        blocks_of: Callable[[Any], list[int]] = lambda result: result) -> None:
-        """Free the blocks a given-up future yields, if it yields any, once it completes."""
-        def done(f: asyncio.Future | Future) -> None:
-            if not f.cancelled() and f.exception() is None:
-                blocks = blocks_of(f.result())
-                self.loop.call(lambda e: e.free_blocks(blocks))
-
-        future.add_done_callback(done)
-
-    def _take(self, handoff_id: str) -> list[int]:
-        """The pull thread's part of pull(): the reserved blocks, or HandoffFailed with every
-        block it reserved freed."""
+    # ---- the Decode call's side ---------------------------------------------------------------
+    async def take(self, request_id: str, num_blocks: int, prefill_instance_id: str) -> Taken:
+        """Reserve num_blocks, wait for the delivery, and return what it brought (the caller
+        owns Taken.block_ids). Raises ServiceUnavailableError when the prefill instance leaves
+        the registry first; cancelling frees the reservation."""
         start = time.monotonic()
+        slot = self._slot(request_id)
+        if slot.reserved.done():
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
         try:
-            desc = self.registry.claim_handoff(handoff_id, self.instance_id)
-        except redis.RedisError as e:
-            self.metrics.handoff_failures("registry").inc()
-            raise HandoffFailed(f"handoff {handoff_id}: registry unreachable ({e})") from e
-        if desc is None:
-            self.metrics.handoff_failures("gone").inc()
-            raise HandoffFailed(f"handoff {handoff_id} is gone or claimed by another service")
-        claimed = time.monotonic()
-        n = len(desc.block_ids)
-        reserved = self.loop.call(lambda e: e.reserve_blocks_for_copy(n))
+            blocks, after = await asyncio.wrap_future(
+                self.loop.call(lambda e: e.reserve_blocks_for_copy(num_blocks)))
+        except BaseException:
+            self._drop(slot)
+            raise
+        slot.blocks = blocks
+        slot.reserved.set_result((blocks, after))
+        reserve_ms = 1e3 * (time.monotonic() - start)
         try:
-            blocks, after = reserved.result(timeout=self.receiver.timeout_s)
-        except FutureTimeout:
-            self._free_when_done(reserved, blocks_of=lambda result: result[0])
-            self.metrics.handoff_failures("transfer").inc()
-            raise HandoffFailed(f"handoff {handoff_id}: the engine did not reserve {n} blocks "
-                                f"within {self.receiver.timeout_s} s") from None
-        got = time.monotonic()
+            while True:
+                try:
+                    taken = await asyncio.wait_for(asyncio.shield(slot.delivered),
+                                                   self.peer_check_s)
+                    break
+                except TimeoutError:
+                    await self._check_peer(request_id, prefill_instance_id)
+        except BaseException:
+            self._drop(slot)
+            raise
+        self.slots.pop(request_id, None)
+        taken.reserve_ms = reserve_ms
+        return taken
+
+    async def _check_peer(self, request_id: str, prefill_instance_id: str) -> None:
+        try:
+            alive = await asyncio.to_thread(self.registry.get_instance, prefill_instance_id)
+        except redis.RedisError as e:  # the registry restarting: the peer is given the benefit
+            log.warning("request %s: checking prefill %s failed: %s", request_id,
+                        prefill_instance_id, e)
+            return
+        if alive is None:
+            self.metrics.handoff_failures("peer_gone").inc()
+            raise PeerGoneError(
+                f"prefill instance {prefill_instance_id} left the registry before delivering "
+                f"the KV of request {request_id!r}")
+
+    def _drop(self, slot: _Slot) -> None:
+        """The Decode call left: free the reservation now, or (deliver() does) after the pull
+        in flight."""
+        slot.ended = True
+        now = time.monotonic()
+        self.gone = {rid: t for rid, t in self.gone.items() if now - t < self.wait_s}
+        self.gone[slot.request_id] = now
+        if not slot.reserved.done():
+            slot.reserved.cancel()
+        if self.slots.get(slot.request_id) is slot:
+            del self.slots[slot.request_id]
+        if slot.pulling:
+            return
+        if slot.delivered.done():  # delivered, not yet taken
+            blocks = slot.delivered.result().block_ids or []
+        else:
+            blocks, slot.blocks = slot.blocks, []
+        if blocks:
+            self._free(blocks)
+
+    def _free(self, blocks: list[int]) -> None:
+        self.loop.call(lambda e: e.free_blocks(blocks))
+
+    # ---- the Deliver call's side --------------------------------------------------------------
+    async def deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
+                      time_remaining_s: float | None) -> tuple[bool, str]:
+        """Pull a delivered KV into the reserved blocks and verify it: (accepted, reason). When
+        not accepted the waiting Decode call, if any, recomputes the prompt."""
+        arrived = time.monotonic()
+        if request_id in self.gone:
+            raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
+        slot = self._slot(request_id)
+        try:
+            blocks, after = await asyncio.wait_for(asyncio.shield(slot.reserved), self.wait_s)
+        except (TimeoutError, asyncio.CancelledError):
+            if self.slots.get(request_id) is slot and not slot.reserved.done():
+                del self.slots[request_id]  # nobody came for it
+            raise HandoffNotFoundError(f"no Decode call waits for request {request_id!r}") from None
+        if slot.delivered.done() or slot.ended:
+            raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
+        deadline = None if time_remaining_s is None else arrived + time_remaining_s
+        slot.pulling = True
+        try:
+            reason = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._pull, desc, blocks, after, deadline)
+        finally:
+            slot.pulling = False
+            slot.blocks = []  # from here on this call hands them on or frees them
+        handoff_ms = 1e3 * (time.monotonic() - arrived)
+        if slot.ended:  # the Decode call left during the pull
+            self._free(blocks)
+            return False, f"request {request_id!r} ended during the pull"
+        if reason:
+            self._free(blocks)
+            log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
+            slot.delivered.set_result(Taken(None, first_token_id, 0.0, handoff_ms, reason))
+            return False, reason
+        slot.delivered.set_result(Taken(blocks, first_token_id, 0.0, handoff_ms))
+        return True, ""
+
+    def _pull(self, desc: HandoffDescriptor, blocks: list[int], after: torch.cuda.Event | None,
+              deadline: float | None) -> str:
+        """The pull thread's part: copy and verify; "" when the KV may be used, else why not."""
+        start = time.monotonic()
         pool = self.loop.engine.kv_cache
         try:
-            try:
-                name = self.receiver.pull(desc, pool, blocks, after)
-            except TransferError as e:
-                self.metrics.handoff_failures("transfer").inc()
-                raise HandoffFailed(str(e)) from e
-            pulled = time.monotonic()
-            if not self._complete(handoff_id):
-                self.metrics.handoff_failures("lease_expired").inc()
-                raise HandoffFailed(f"handoff {handoff_id}: the lease ran out during the pull")
-        except BaseException:
-            self.loop.call(lambda e: e.free_blocks(blocks))
-            raise
+            name = self.receiver.pull(desc, pool, blocks, after)
+        except TransferError as e:
+            self.metrics.handoff_failures("transfer").inc()
+            return str(e)
         done = time.monotonic()
+        if deadline is not None and done > deadline - DEADLINE_MARGIN_S:
+            self.metrics.handoff_failures("lease_expired").inc()
+            return (f"handoff {desc.request_id}: the pull ended {1e3 * (done - deadline):+.1f} ms "
+                    f"from the delivery's deadline; the source may have reused its blocks")
         self.transports_used[name] = self.transports_used.get(name, 0) + 1
         block_bytes = pool.numel() // pool.shape[2] * pool.element_size()
         self.metrics.observe_handoff(name, len(blocks) * block_bytes, done - start)
-        log.debug("handoff %s via %s: claim %.2f ms, reserve %.2f ms, pull+verify %.2f ms, "
-                  "confirm %.2f ms", handoff_id, name, 1e3 * (claimed - start),
-                  1e3 * (got - claimed), 1e3 * (pulled - got), 1e3 * (done - pulled))
-        return blocks
-
-    async def _renew(self, handoff_id: str) -> None:
-        """Keep the handoff's lease alive while its KV is being pulled (until cancelled)."""
-        while True:
-            await asyncio.sleep(self.lease_renew_s / 3)
-            try:
-                if not await asyncio.to_thread(self.registry.renew_lease, handoff_id,
-                                               self.lease_renew_s):
-                    return  # gone already: the confirmation will say so
-            except redis.RedisError as e:
-                log.warning("renewing the lease of handoff %s failed: %s", handoff_id, e)
-
-    def _complete(self, handoff_id: str) -> bool:
-        """Confirm the pull; False when the lease ran out first or the registry cannot say (the
-        pulled KV is then discarded: without a confirmation its blocks may be reused)."""
-        try:
-            return self.registry.complete_handoff(handoff_id, self.instance_id)
-        except redis.RedisError as e:
-            log.warning("confirming handoff %s failed: %s", handoff_id, e)
-            return False
+        log.debug("handoff %s via %s: pull+verify %.2f ms", desc.request_id, name,
+                  1e3 * (done - start))
+        return ""
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

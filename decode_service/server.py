@@ -13,7 +13,7 @@ from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
 from decode_service.config import DecodeServiceConfig
-from decode_service.handoff import HandoffPuller
+from decode_service.handoff import HandoffInbox
 from decode_service.servicer import DecodeServicer
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 
@@ -28,9 +28,9 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     server = GrpcServer(config.server.host, config.port, tls=tls)
     instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
     metrics = DecodeMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
-    puller = HandoffPuller(registry, instance.loop, instance.instance_id, config.pull_timeout_s,
-                           metrics, config.lease_renew_s, tls=tls)
-    server.add(Service(DecodeServicer(instance, puller, metrics),
+    inbox = HandoffInbox(registry, instance.loop, config.pull_timeout_s, metrics,
+                         wait_s=config.deliver_wait_s, peer_check_s=config.peer_check_s, tls=tls)
+    server.add(Service(DecodeServicer(instance, inbox, metrics),
                        decode_pb2_grpc.add_DecodeServicer_to_server,
                        service_name(decode_pb2, "Decode")))
     listen = config.server
@@ -43,7 +43,7 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
         await wait_for_signal()
     finally:
         await instance.stop(server, config.server.shutdown_grace_s, [maintain],
-                            close=[puller.close, *([metrics_server.close] if metrics_server else [])])
+                            close=[inbox.close, *([metrics_server.close] if metrics_server else [])])
 
 
 async def _maintain(instance: ServiceInstance, interval_s: float) -> None:

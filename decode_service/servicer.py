@@ -1,8 +1,9 @@
 """The Decode gRPC service: a thin adapter from DecodeRequest to the engine's output stream.
 
-A request arrives with a handoff (its prompt KV waits in a prefill service) or asks for a local
-prefill. A handoff that cannot be used is recomputed here: the prompt plus the first token become
-the prompt, so the stream still continues after the first token.
+A request arrives with a handoff (a prefill service computes its prompt KV and delivers it with
+Deliver; handoff.py reserves blocks for it at once) or asks for a local prefill. A delivery that
+cannot be used is recomputed here: the first token stays an output, so the stream still continues
+after it.
 """
 
 from __future__ import annotations
@@ -14,23 +15,23 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import Prefilled
 from common.errors import InvalidRequestError
+from common.registry import HandoffDescriptor
 from common.serving.engine_loop import AsyncOutputStream
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics, StreamTimer
 from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
-from decode_service.handoff import HandoffFailed, HandoffPuller
+from decode_service.handoff import HandoffInbox
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 
 log = logging.getLogger("splitserve.decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, instance: ServiceInstance, puller: HandoffPuller, metrics: DecodeMetrics):
+    def __init__(self, instance: ServiceInstance, inbox: HandoffInbox, metrics: DecodeMetrics):
         self.instance = instance
-        self.puller = puller
+        self.inbox = inbox
         self.metrics = metrics
 
     async def Decode(self, request: decode_pb2.DecodeRequest,
@@ -47,8 +48,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.instance.num_inflight += 1
         finished = False
         try:
-            prefilled, prompt, params = await self._take_over(request, prompt, params)
-            handoff_ms = ms(time.monotonic() - start)
+            prefilled, reserve_ms, handoff_ms = await self._take_over(request, prompt)
             await asyncio.wrap_future(loop.submit(rid, prompt, params, stream, prefilled,
                                                   list(request.output_token_ids)))
             joined = time.monotonic()
@@ -65,6 +65,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     finish_reason=FINISH_TO_PB[out.finish_reason if finished else None],
                     num_cached_tokens=out.num_cached_tokens,
                     handoff_ms=handoff_ms if first else 0.0,
+                    reserve_ms=reserve_ms if first else 0.0,
                     decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id,
                     logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()])
                 first = False
@@ -74,19 +75,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 loop.abort(rid)
 
     async def _take_over(self, request: decode_pb2.DecodeRequest, prompt: list[int],
-                         params: SamplingParams,
-                         ) -> tuple[Prefilled | None, list[int], SamplingParams]:
+                         ) -> tuple[Prefilled | None, float, float]:
+        """(what the engine gets, reserve ms, handoff ms): blocks reserved now, filled when the
+        prefill service delivers; None for a local prefill."""
         if request.WhichOneof("source") != "handoff":
-            return None, prompt, params
-        handoff = request.handoff
+            return None, 0.0, 0.0
+        engine = self.instance.loop.engine
+        # Refused before reserving, so the delivery is not waited for in vain (the settings it
+        # reads do not change after start-up).
+        engine.validate(prompt, params_from_pb(request.params))
+        block_size = engine.config.cache.block_size
+        num_blocks = -(-(len(prompt) + len(request.output_token_ids)) // block_size)
+        taken = await self.inbox.take(request.request_id, num_blocks,
+                                      request.handoff.prefill_instance_id)
+        # A failed delivery leaves block_ids None: the prompt is recomputed here, and the first
+        # token stays an output (stop strings, penalties and seeds see what they would have).
+        return (Prefilled(taken.block_ids, taken.first_token_id), taken.reserve_ms,
+                taken.handoff_ms)
+
+    async def Deliver(self, request: decode_pb2.DeliverRequest,
+                      context: grpc.aio.ServicerContext) -> decode_pb2.DeliverResponse:
         try:
-            blocks = await self.puller.pull(handoff.handoff_id)
-            return Prefilled(blocks, handoff.first_token_id), prompt, params
-        except HandoffFailed as e:
-            log.warning("request %s: %s; recomputing its prompt here", request.request_id, e)
-        # The first token stays an output: stop strings, penalties and seeds see what they
-        # would have seen after a successful handoff.
-        return Prefilled(None, handoff.first_token_id), prompt, params
+            desc = HandoffDescriptor.from_json(request.descriptor_json)
+        except (ValueError, TypeError, KeyError) as e:
+            raise InvalidRequestError(f"descriptor_json: {e}") from e
+        accepted, reason = await self.inbox.deliver(request.request_id, desc,
+                                                    request.first_token_id,
+                                                    context.time_remaining())
+        return decode_pb2.DeliverResponse(accepted=accepted, reason=reason)
 
     async def Abort(self, request: types_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> types_pb2.AbortResponse:
@@ -95,4 +111,4 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Stats(self, request: types_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> types_pb2.InstanceStats:
-        return await self.instance.stats(num_pending_handoffs=len(self.puller.pending))
+        return await self.instance.stats(num_pending_handoffs=len(self.inbox.pending))

@@ -1,8 +1,12 @@
 """One request through the stack, relayed to the client as one stream:
 
-    route -> Prefill (stream) -> first token to the client at once
-                              -> handoff record published
-          -> Decode (stream, pulls the handoff) -> the remaining tokens to the client
+    route -> Decode (stream; reserves blocks for the KV and waits)  ---------------+
+          -> Prefill (stream) -> first token to the client at once                 |
+                              -> Decode.Deliver, prefill to decode directly -> Decode stream:
+                                                                 the remaining tokens to the client
+
+Both calls go out at once, so the decode side's reservation overlaps the prefill, and nothing of
+the gateway's lies between the prefill's last token and the decode's first step.
 
 or, for prompts up to local_prefill_max_tokens, Decode alone with prefill_locally. A request that
 ends any other way than with its last token (client cancel, Abort, deadline, error) is aborted on
@@ -74,6 +78,24 @@ class _Progress:
             usage=self.usage, timings=self.timings, logprobs=logprobs)
 
 
+class _DecodeCall:
+    """A Decode call's messages; aclose() (also when never iterated) cancels the call, a no-op
+    after its end, and forgets it."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, handle: Inflight):
+        self.call = call
+        self.handle = handle
+
+    async def __aiter__(self) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        async for msg in self.call:
+            yield msg
+
+    async def aclose(self) -> None:
+        if self.call in self.handle.calls:
+            self.handle.calls.remove(self.call)
+        self.call.cancel()
+
+
 class Relay:
     def __init__(self, config: GatewayConfig, registry: Registry, instances: Instances,
                  router: Router):
@@ -91,23 +113,31 @@ class Relay:
         try:
             decode = await self._pick_decode(req.prompt_token_ids, req.params.max_tokens)
             self.router.acquire(decode.instance_id)  # counted from now, so a burst spreads out
-            if len(req.known_token_ids) <= self.config.local_prefill_max_tokens:
-                source: dict = {"prefill_locally": True}
-            else:
-                handoff = None
-                async for msg in self._prefill_stage(req, handle, decode, deadline, st):
-                    if isinstance(msg, decode_pb2.Handoff):
-                        handoff = msg
-                    else:
-                        yield msg
-                if st.completed:
-                    return
-                source = {"handoff": handoff}
-            handle.check()
             handle.decode = decode
             st.timings.decode_instance = decode.instance_id
-            async for msg in self._decode_stage(req, handle, decode, source, deadline, st):
-                yield msg
+            if len(req.known_token_ids) <= self.config.local_prefill_max_tokens:
+                stream = self._decode(req, handle, decode, {"prefill_locally": True}, deadline)
+            else:
+                prefill = await self._pick_prefill(req.known_token_ids)
+                handle.check()
+                handle.prefill = prefill
+                # Opened first: it reserves blocks while the prefill queues and computes.
+                stream = self._decode(req, handle, decode, {"handoff": decode_pb2.Handoff(
+                    include_first_text=bool(req.params.stop),
+                    prefill_instance_id=prefill.instance_id)}, deadline)
+                async with aclosing(stream):
+                    async for msg in self._prefill_stage(req, handle, prefill, decode, deadline,
+                                                         st):
+                        yield msg
+                    if st.completed:
+                        return
+                    handle.check()
+                    async for msg in self._decode_stage(stream, False, st, req):
+                        yield msg
+                    return
+            async with aclosing(stream):
+                async for msg in self._decode_stage(stream, True, st, req):
+                    yield msg
         except (asyncio.CancelledError, ClientAborted):
             # Abort() cancelled our internal calls: end the stream with an abort message. The
             # client cancelling its own call cancels this task instead: let that through.
@@ -122,24 +152,22 @@ class Relay:
                 self._abort_everywhere(handle)
 
     async def _prefill_stage(self, req: PreparedRequest, handle: Inflight,
-                             decode: InstanceInfo, deadline: float, st: _Progress,
-                             ) -> AsyncIterator[generation_pb2.GenerateStreamResponse
-                                                | decode_pb2.Handoff]:
-        """The first token for the client at once, then the Handoff for the decode call."""
-        prefill = await self._pick_prefill(req.known_token_ids)
-        handle.check()
-        handle.prefill = prefill
+                             prefill: InstanceInfo, decode: InstanceInfo, deadline: float,
+                             st: _Progress,
+                             ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """The first token for the client at once; returns when the prefill service has handed
+        the KV to the decode service (or the first token ended the request)."""
         st.timings.gateway_ms = ms(time.monotonic() - st.arrival)
-        first_token = None
+        first = True
         async with aclosing(self._prefill(req, handle, prefill, decode, deadline)) as stream:
             async for resp in stream:
-                if resp.handoff_id:  # second message: the KV waits under this record
-                    st.timings.handoff_publish_ms = resp.publish_ms
-                    yield decode_pb2.Handoff(handoff_id=resp.handoff_id,
-                                             first_token_id=first_token,
-                                             include_first_text=bool(req.params.stop))
+                if not first:  # second message: how the delivery went
+                    st.timings.handoff_publish_ms = resp.deliver_ms
+                    if not resp.delivered:
+                        log.info("request %s: %s did not take the KV from %s; it recomputes",
+                                 req.request_id, decode.instance_id, prefill.instance_id)
                     return
-                first_token = resp.first_token_id
+                first = False
                 first_logprobs = [resp.first_logprobs] if resp.HasField("first_logprobs") else []
                 t = st.timings
                 t.prefill_queue_ms, t.prefill_compute_ms = resp.queue_ms, resp.compute_ms
@@ -147,38 +175,36 @@ class Relay:
                 t.ttft_ms = ms(time.monotonic() - st.arrival)
                 st.usage.num_cached_tokens, st.usage.completion_tokens = resp.num_cached_tokens, 1
                 if resp.finish_reason:
-                    yield st.final(req.request_id, resp.finish_reason, [first_token],
+                    yield st.final(req.request_id, resp.finish_reason, [resp.first_token_id],
                                    resp.first_text, first_logprobs)
                     return
                 # With stop strings the first token's text comes from the decode side, whose
                 # matcher sees what follows it (the prefill side had to flush held-back text).
                 yield generation_pb2.GenerateStreamResponse(
-                    request_id=req.request_id, token_ids=[first_token],
+                    request_id=req.request_id, token_ids=[resp.first_token_id],
                     text="" if req.params.stop else resp.first_text, logprobs=first_logprobs)
         raise ServiceError(grpc.StatusCode.INTERNAL,
-                           f"prefill {prefill.instance_id} ended without a handoff")
+                           f"prefill {prefill.instance_id} ended without delivering the KV")
 
-    async def _decode_stage(self, req: PreparedRequest, handle: Inflight, decode: InstanceInfo,
-                            source: dict, deadline: float, st: _Progress,
+    async def _decode_stage(self, stream: _DecodeCall, local: bool,
+                            st: _Progress, req: PreparedRequest,
                             ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        local = "prefill_locally" in source
-        async with aclosing(self._decode(req, handle, decode, source, deadline)) as stream:
-            async for msg in stream:
-                if not st.timings.ttft_ms and msg.token_ids:
-                    st.timings.ttft_ms = ms(time.monotonic() - st.arrival)
-                st.usage.completion_tokens += len(msg.token_ids)
-                if msg.handoff_ms:
-                    st.timings.handoff_ms = msg.handoff_ms
-                if local:
-                    st.usage.num_cached_tokens = msg.num_cached_tokens
-                if msg.finish_reason:
-                    st.timings.decode_ms = msg.decode_ms
-                    yield st.final(req.request_id, msg.finish_reason, msg.token_ids, msg.text,
-                                   msg.logprobs)
-                    return
-                yield generation_pb2.GenerateStreamResponse(
-                    request_id=req.request_id, token_ids=msg.token_ids, text=msg.text,
-                    logprobs=msg.logprobs)
+        async for msg in stream:
+            if not st.timings.ttft_ms and msg.token_ids:
+                st.timings.ttft_ms = ms(time.monotonic() - st.arrival)
+            st.usage.completion_tokens += len(msg.token_ids)
+            if msg.handoff_ms:
+                st.timings.handoff_ms = msg.handoff_ms
+            if local:
+                st.usage.num_cached_tokens = msg.num_cached_tokens
+            if msg.finish_reason:
+                st.timings.decode_ms = msg.decode_ms
+                yield st.final(req.request_id, msg.finish_reason, msg.token_ids, msg.text,
+                               msg.logprobs)
+                return
+            yield generation_pb2.GenerateStreamResponse(
+                request_id=req.request_id, token_ids=msg.token_ids, text=msg.text,
+                logprobs=msg.logprobs)
 
     async def _pick_decode(self, prompt: list[int], max_tokens: int) -> InstanceInfo:
         return self.router.pick_decode(await self.instances.get("decode"),
@@ -204,7 +230,7 @@ class Relay:
             prefill_pb2.PrefillRequest(
                 request_id=handle.internal_id, prompt_token_ids=req.prompt_token_ids,
                 params=req.params_pb, decode_instance_id=decode.instance_id,
-                output_token_ids=req.output_token_ids),
+                output_token_ids=req.output_token_ids, decode_address=decode.address),
             timeout=_remaining(deadline))
         handle.calls.append(call)
         self.router.acquire(prefill.instance_id)
@@ -216,8 +242,9 @@ class Relay:
             handle.calls.remove(call)
             call.cancel()  # no-op after the stream's end
 
-    async def _decode(self, req: PreparedRequest, handle: Inflight, decode: InstanceInfo,
-                      source: dict, deadline: float) -> AsyncIterator[decode_pb2.DecodeResponse]:
+    def _decode(self, req: PreparedRequest, handle: Inflight, decode: InstanceInfo,
+                source: dict, deadline: float) -> _DecodeCall:
+        """The Decode call, opened now (its request goes out at once), as its messages."""
         call = self.instances.decode_stub(decode.address).Decode(
             decode_pb2.DecodeRequest(request_id=handle.internal_id,
                                      prompt_token_ids=req.prompt_token_ids,
@@ -225,12 +252,7 @@ class Relay:
                                      output_token_ids=req.output_token_ids, **source),
             timeout=_remaining(deadline))
         handle.calls.append(call)
-        try:
-            async for msg in call:
-                yield msg
-        finally:
-            handle.calls.remove(call)
-            call.cancel()  # no-op after the stream's end
+        return _DecodeCall(call, handle)
 
     def _abort_everywhere(self, handle: Inflight) -> None:
         """Tell every service the request reached to drop it (runs on after the client left)."""

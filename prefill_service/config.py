@@ -10,16 +10,14 @@ from common.serving.instance import InstanceConfig
 
 @dataclass(frozen=True, slots=True)
 class PrefillServiceConfig(InstanceConfig):
-    handoff_lease_s: float = opt(10.0, "how long a published handoff waits for a decode service "
-                                 "to confirm before its blocks are released")
-    reap_interval_s: float = opt(0.02, "how often held handoffs are checked for confirmation or "
-                                 "expiry")
+    handoff_lease_s: float = opt(10.0, "the deadline of a KV delivery to a decode service: its "
+                                 "blocks are released when it ends, at the latest then")
     prefix_sync_interval_s: float = opt(1.0, "how often evictions from the prefix cache are "
                                         "published to the registry's prefix index")
 
     def __post_init__(self) -> None:
         InstanceConfig.__post_init__(self)
-        if self.handoff_lease_s <= 0 or self.reap_interval_s <= 0:
-            raise ValueError("--handoff-lease-s and --reap-interval-s must be positive")
+        if self.handoff_lease_s <= 0:
+            raise ValueError("--handoff-lease-s must be positive")
         if self.prefix_sync_interval_s <= 0:
             raise ValueError("--prefix-sync-interval-s must be positive")

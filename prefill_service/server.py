@@ -1,5 +1,5 @@
 """Runs one prefill service: engine (KV pool in shared memory on CPU), gRPC server with the
-Prefill and KVTransfer services, registry record, handoff holds, prefix index updates."""
+Prefill and KVTransfer services, registry record, KV deliveries, prefix index updates."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
 from prefill_service.config import PrefillServiceConfig
-from prefill_service.holds import HandoffHolds
+from prefill_service.delivery import Deliveries
 from prefill_service.prefix_sync import PrefixSync
 from prefill_service.servicer import PrefillServicer
 from protos.splitserve.v1 import (
@@ -45,11 +45,10 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
                       address=instance.address, shm=shm)
     metrics = PrefillMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
-    holds = HandoffHolds(registry, instance.loop, config.reap_interval_s, metrics)
+    deliveries = Deliveries(instance.loop, config.handoff_lease_s, metrics, tls=tls)
     prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
     instance.heartbeat.on_reregister = lambda: setattr(prefixes, "republish", True)
-    server.add(Service(PrefillServicer(instance, source, holds, prefixes, config.handoff_lease_s,
-                                       metrics),
+    server.add(Service(PrefillServicer(instance, source, deliveries, prefixes, metrics),
                        prefill_pb2_grpc.add_PrefillServicer_to_server,
                        service_name(prefill_pb2, "Prefill")))
     server.add(Service(KVTransferServicer(source),
@@ -60,13 +59,12 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
                                    instance.health) if listen.metrics_port else None
     await server.start(serving=False)  # health: NOT_SERVING until registered
     await instance.start(server)
-    background = [asyncio.create_task(holds.run()),
-                  asyncio.create_task(_maintain(instance, prefixes, config))]
+    background = [asyncio.create_task(_maintain(instance, prefixes, config))]
     try:
         await wait_for_signal()
     finally:
         async def drain() -> None:
-            await holds.release_all()
+            await deliveries.close()
             registry.clear_instance(instance.instance_id)
 
         await instance.stop(server, config.server.shutdown_grace_s, background, drain=drain,

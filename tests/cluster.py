@@ -34,8 +34,8 @@ from splitserve.launch import service_argv, start_service, stop_services
 # retries long enough to outlive a restart): the chaos and scale-down tests start services so.
 LEASE_S = 3.0
 SERVICE_FLAGS = ["--heartbeat-ttl-s", "1.5", "--stats-interval-s", "0.1"]
-PREFILL_FLAGS = [*SERVICE_FLAGS, "--handoff-lease-s", str(LEASE_S), "--reap-interval-s", "0.05"]
-DECODE_FLAGS = [*SERVICE_FLAGS, "--pull-timeout-s", "5"]
+PREFILL_FLAGS = [*SERVICE_FLAGS, "--handoff-lease-s", str(LEASE_S)]
+DECODE_FLAGS = [*SERVICE_FLAGS, "--pull-timeout-s", "5", "--peer-check-s", "0.2"]
 GATEWAY_FLAGS = ["--discovery-interval-s", "0.1", "--request-timeout-s", "120",
                  "--max-retries", "4", "--retry-wait-s", "8", "--quarantine-s", "3"]
 
@@ -176,19 +176,18 @@ class Cluster:
                                                                     timeout=2.0)
         return out
 
-    def handoff_keys(self) -> list[str]:
-        return [k for k in self.registry.namespace_keys() if ":handoff:" in k or ":done:" in k]
-
     def wait_idle(self, timeout_s: float) -> dict[str, int]:
-        """Until no live instance references a block and no handoff record is left; the used
-        blocks per instance (and handoff keys) still there at the timeout (empty = none)."""
+        """Until no live instance references a block (held for a delivery, reserved for one, or
+        running) and none waits for a delivery; the used blocks per instance (and pending
+        deliveries) still there at the timeout (empty = none)."""
         leftovers: dict[str, int] = {}
 
         def idle() -> bool:
             nonlocal leftovers
             stats = self.stats()
             leftovers = {i: s.num_used_blocks for i, s in stats.items() if s.num_used_blocks}
-            leftovers |= dict.fromkeys(self.handoff_keys(), 1)
+            leftovers |= {f"{i} pending": s.num_pending_handoffs for i, s in stats.items()
+                          if s.num_pending_handoffs}
             return not leftovers and set(self.instance_ids.values()) <= set(stats)
 
         try:

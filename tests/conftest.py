@@ -30,7 +30,7 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 @pytest.fixture
 def registry(redis_server: EmbeddedRedis) -> Iterator[Registry]:
     reg = Registry(redis_server.url, namespace=f"test-{uuid.uuid4().hex[:8]}",
-                   timeout_s=1.0, retries=1, done_ttl_s=5.0)
+                   timeout_s=1.0, retries=1)
     yield reg
     reg.close()
 

@@ -7,8 +7,8 @@ Receiver rules:
   the request; the transport never frees or reserves anything.
 - pull() checks the pulled blocks against desc.checksum (common.kv_transport.checksum) on the
   receiver's own pool, so whatever the route, a block the source reused or a mix-up is caught.
-- After a successful pull the caller still confirms with Registry.complete_handoff and
-  discards the KV if that returns False (the lease ran out during the pull).
+- The source holds its blocks only until the delivery's deadline (its lease): the caller discards
+  a pull that ended too close to it (decode_service/handoff.py).
 
 Implementations keep per-source state (mapped files, opened IPC handles, channels) across pulls;
 close() drops it. pull() may be called from a worker thread; one transport object is not meant to

@@ -30,16 +30,8 @@ class KeySpace:
         """Set of decimal block hashes cached by the instance, expiring with it."""
         return f"{self.namespace}:prefix:{instance_id}"
 
-    def handoff(self, request_id: str) -> str:
-        """Hash {desc, source, claimer?}, expiring with the handoff's lease."""
-        return f"{self.namespace}:handoff:{request_id}"
-
-    def done(self, request_id: str) -> str:
-        """String (the source instance id): the decode side confirmed the handoff."""
-        return f"{self.namespace}:done:{request_id}"
-
     def pattern(self, kind: str) -> str:
-        """MATCH pattern for every key of one kind ("instance", "handoff", ...)."""
+        """MATCH pattern for every key of one kind ("instance", "prefix")."""
         return f"{glob_escape(self.namespace)}:{kind}:*"
 
     def all(self) -> str:

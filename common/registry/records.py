@@ -1,4 +1,5 @@
-"""What the registry stores: service instances and KV handoff descriptors (pure Python, JSON).
+"""Records as JSON (pure Python): service instances, which the registry stores, and KV handoff
+descriptors, which a prefill service sends to a decode service with Decode.Deliver.
 
 Both records tolerate fields they do not know (dropped on decode), so services of two versions can
 share one registry during a rolling upgrade.
@@ -6,7 +7,6 @@ share one registry during a rolling upgrade.
 
 from __future__ import annotations
 
-import enum
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
@@ -22,7 +22,7 @@ def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
 
 def _to_json(record: Any) -> str:
     """A record's fields as JSON. Shallow: the values are already JSON types, and asdict's deep
-    copy of the id lists and transport offers cost 0.2 ms a handoff on the publishing path."""
+    copy of the id lists and transport offers cost 0.2 ms a handoff on the delivering path."""
     return json.dumps({f.name: getattr(record, f.name) for f in fields(record)},
                       separators=(",", ":"))
 
@@ -101,17 +101,3 @@ class HandoffDescriptor:
     @classmethod
     def from_json(cls, text: str) -> HandoffDescriptor:
         return cls(**_known_fields(cls, json.loads(text)))
-
-
-class HandoffState(enum.StrEnum):
-    """Where a published handoff stands, as the prefill side sees it."""
-
-    PENDING = "pending"    # record present, nobody claimed it yet
-    CLAIMED = "claimed"    # record present, a decode service claimed it and is pulling
-    DONE = "done"          # record gone: the decode side confirmed (complete_handoff)
-    EXPIRED = "expired"    # record gone without confirmation: the lease ran out (or cancelled)
-
-    @property
-    def finished(self) -> bool:
-        """The record is gone: the prefill side releases the handoff's blocks now."""
-        return self in (HandoffState.DONE, HandoffState.EXPIRED)

@@ -1,5 +1,6 @@
-"""Registry: the one shared store of splitserve, on Redis (service discovery, KV handoff
-records, prefix index). Importable without torch (the gateway uses it).
+"""Registry: the one shared store of splitserve, on Redis (service discovery and the prefix
+index; KV handoffs go from service to service and never through it). Importable without torch
+(the gateway uses it).
 
 Every call has a socket timeout, and connection errors and timeouts are retried with exponential
 backoff (with jitter); the Lua scripts are idempotent for their caller so a retry after a lost
@@ -16,10 +17,9 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from common.registry.discovery import Discovery
-from common.registry.handoff import HandoffStore
 from common.registry.keys import KeySpace
 from common.registry.prefix_index import PrefixIndex
-from common.registry.records import HandoffDescriptor, HandoffState, InstanceInfo
+from common.registry.records import InstanceInfo
 
 
 def connect(url: str, timeout_s: float, retries: int) -> redis.Redis:
@@ -40,12 +40,11 @@ class Registry:
     """Thread-safe (redis-py pools its connections); one per process is enough."""
 
     def __init__(self, url: str, namespace: str = "splitserve", *, timeout_s: float = 2.0,
-                 retries: int = 3, done_ttl_s: float = 30.0):
+                 retries: int = 3):
         self.url = url
         self.keys = KeySpace(namespace)
         self.redis = connect(url, timeout_s, retries)
         self._discovery = Discovery(self.redis, self.keys)
-        self._handoffs = HandoffStore(self.redis, self.keys, done_ttl_s)
         self._prefixes = PrefixIndex(self.redis, self.keys)
 
     @property
@@ -77,34 +76,6 @@ class Registry:
     def get_instance(self, instance_id: str) -> InstanceInfo | None:
         return self._discovery.get_instance(instance_id)
 
-    # ---- handoff records (see handoff.py for the lease rule) -------------------------------
-    def publish_handoff(self, desc: HandoffDescriptor, lease_ttl_s: float) -> None:
-        self._handoffs.publish_handoff(desc, lease_ttl_s)
-
-    def claim_handoff(self, request_id: str, claimer: str) -> HandoffDescriptor | None:
-        return self._handoffs.claim_handoff(request_id, claimer)
-
-    def renew_lease(self, request_id: str, ttl_s: float) -> bool:
-        return self._handoffs.renew_lease(request_id, ttl_s)
-
-    def complete_handoff(self, request_id: str, claimer: str | None = None) -> bool:
-        return self._handoffs.complete_handoff(request_id, claimer)
-
-    def cancel_handoff(self, request_id: str) -> bool:
-        return self._handoffs.cancel_handoff(request_id)
-
-    def handoff_exists(self, request_id: str) -> bool:
-        return self._handoffs.handoff_exists(request_id)
-
-    def handoff_states(self, request_ids: Sequence[str]) -> dict[str, HandoffState]:
-        return self._handoffs.handoff_states(request_ids)
-
-    def reap_handoffs(self, request_ids: Sequence[str]) -> dict[str, HandoffState]:
-        return self._handoffs.reap_handoffs(request_ids)
-
-    def list_handoffs(self, source_instance: str) -> list[HandoffDescriptor]:
-        return self._handoffs.list_handoffs(source_instance)
-
     # ---- prefix index (see prefix_index.py) ------------------------------------------------
     def publish_prefix(self, instance_id: str, added_hashes: Sequence[int],
                        removed_hashes: Sequence[int]) -> bool:
@@ -119,10 +90,9 @@ class Registry:
 
     # ---- shutdown --------------------------------------------------------------------------
     def clear_instance(self, instance_id: str) -> None:
-        """Remove every key of an instance: its record, prefix set, handoffs and done markers.
-        A prefill service calls it at clean shutdown, after releasing its held blocks."""
+        """Remove every key of an instance: its record and prefix set. A prefill service calls
+        it at clean shutdown, after its deliveries ended."""
         self._discovery.deregister(instance_id)
-        self._handoffs.clear_source(instance_id)
 
     def namespace_keys(self) -> list[str]:
         """Every key under the namespace (tests and diagnostics)."""

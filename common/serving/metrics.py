@@ -330,12 +330,11 @@ class PrefillMetrics(EngineMetrics):
         self.ttft = self.histogram("time_to_first_token_seconds", "Time to first token at the "
                                    "prefill service, from the request's arrival there",
                                    TTFT_BUCKETS)
-        self.handoffs = self.counter("handoffs_published", "Handoffs published for a decode "
-                                     "service to pull")
-        self.leases_expired = self.counter("handoff_leases_expired", "Handoffs whose lease ran "
-                                           "out before a decode service confirmed the pull")
-        self.stranded_blocks = self.counter("handoff_stranded_blocks", "KV blocks held for "
-                                            "handoffs whose lease ran out unconfirmed")
+        self.handoffs = self.counter("handoffs_delivered", "Prompts' KV delivered to a decode "
+                                     "service that pulled and verified it")
+        self.delivery_failures = self.counter(
+            "handoff_delivery_failures", "Deliveries the decode service refused or that failed "
+            "(its blocks are released all the same; the decode side recomputes)")
         self.init_goodput("prefill")
 
     def observe_prefilled(self, m: RequestMetrics) -> None:
@@ -346,10 +345,6 @@ class PrefillMetrics(EngineMetrics):
         if ttft is not None:
             self.ttft.observe(ttft)
         self.count_goodput("prefill", self.slo.met(ttft, None))
-
-    def observe_lease_expired(self, num_blocks: int) -> None:
-        self.leases_expired.inc()
-        self.stranded_blocks.inc(num_blocks)
 
 
 class DecodeMetrics(EngineMetrics):
@@ -365,11 +360,11 @@ class DecodeMetrics(EngineMetrics):
         self.handoff_bytes = self.labelled_counter(
             "handoff_bytes", "KV bytes pulled from prefill services", "transport")
         self._handoff_seconds = Histogram(
-            PREFIX + "handoff_seconds", "Handoff time: claim, block reservation, pull, confirm",
+            PREFIX + "handoff_seconds", "Handoff time: pull and verify (the reservation overlaps the prefill)",
             ("model_name", "transport"), buckets=HANDOFF_BUCKETS, registry=self.registry)
         self.handoff_failures = self.labelled_counter(
             "handoff_failures", "Handoffs that could not be used (the prompt was recomputed)",
-            "reason", ("gone", "transfer", "lease_expired"))
+            "reason", ("peer_gone", "transfer", "lease_expired"))
         self.init_goodput("decode")
 
     def observe_handoff(self, transport: str, num_bytes: int, seconds: float) -> None:

@@ -82,16 +82,15 @@ class Stack:
                                    timeout=5.0)
         return {s.instance_id: s for s in info.instances}
 
-    def handoff_keys(self) -> list[str]:
-        return [k for k in self.registry.namespace_keys() if ":handoff:" in k]
-
     def wait_idle(self, timeout_s: float) -> float:
-        """Seconds until no instance references a block and no handoff record is left."""
+        """Seconds until no instance references a block (held for a delivery, reserved for one,
+        or running) and none waits for a delivery."""
         start = time.monotonic()
         while True:
             stats = self.stats()
             busy = {i: s.num_used_blocks for i, s in stats.items() if s.num_used_blocks}
-            handoffs = self.handoff_keys()
+            handoffs = {i: s.num_pending_handoffs for i, s in stats.items()
+                        if s.num_pending_handoffs}
             if not busy and not handoffs and len(stats) == self.num_prefill + self.num_decode:
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:

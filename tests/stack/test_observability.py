@@ -73,7 +73,7 @@ def test_metrics_move_with_traffic(small_stack: Stack):
     assert delta(*pf, "prefix_cache_queries_total") == 400
     assert delta(*pf, "prefix_cache_hits_total") == 192
     assert delta(*pf, "time_to_first_token_seconds_count") == 2
-    assert delta(*pf, "handoffs_published_total") == 2
+    assert delta(*pf, "handoffs_delivered_total") == 2
     assert delta(*dc, "handoff_bytes_total", transport="shm") == 2 * 13 * KV_BYTES_PER_BLOCK
     assert delta(*dc, "handoff_seconds_count", transport="shm") == 2
     assert delta(*dc, "inter_token_latency_seconds_count") == 4  # tokens 2-4: two gaps each

@@ -80,12 +80,13 @@ def test_prefill_metrics_after_traffic(engine: LLMEngine):
     assert value(metrics, "kv_cache_usage_perc") == 0.0
 
 
-def test_prefill_lease_expiry_counts():
+def test_prefill_delivery_counts():
     metrics = PrefillMetrics(MODEL, SLO(), lambda: EngineStats(1, 2, 0.25, 10, 5, 7))
-    metrics.observe_lease_expired(num_blocks=7)
-    metrics.observe_lease_expired(num_blocks=3)
-    assert value(metrics, "handoff_leases_expired_total") == 2
-    assert value(metrics, "handoff_stranded_blocks_total") == 10
+    metrics.handoffs.inc()
+    metrics.delivery_failures.inc()
+    metrics.delivery_failures.inc()
+    assert value(metrics, "handoffs_delivered_total") == 1
+    assert value(metrics, "handoff_delivery_failures_total") == 2
     assert (value(metrics, "num_requests_running"), value(metrics, "num_requests_waiting"),
             value(metrics, "kv_cache_usage_perc"), value(metrics, "handoff_held_blocks")) == (
                 1, 2, 0.25, 7)

@@ -1,0 +1,94 @@
+"""Delivering a prompt's KV to the decode service that waits for it (Decode.Deliver).
+
+Hold rule: a finished prompt's blocks are held (the engine's `held`, hold_blocks) from its last
+step until its Deliver call ends, and released then, whatever the answer: the decode side has
+pulled and verified them (accepted), or will recompute (refused), or is gone. The call's deadline
+(`--handoff-lease-s`) is the lease: a stuck decode service keeps the blocks that long at most,
+and its pull must end before the deadline or it discards what it read (decode_service/handoff.py).
+A delivery is never cut short from this side: when the Prefill call is cancelled or Abort is
+called during it, the blocks are released after it ends, so a pull never reads released blocks.
+
+One channel per decode address, kept open and reused by every delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from common.registry import HandoffDescriptor
+from common.serving import grpc_util
+from common.serving.engine_loop import EngineLoop
+from common.serving.metrics import PrefillMetrics
+from common.serving.tls import PLAINTEXT, TlsConfig
+from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger("splitserve.prefill.delivery")
+
+
+class Deliveries:
+    def __init__(self, loop: EngineLoop, lease_s: float, metrics: PrefillMetrics,
+                 tls: TlsConfig = PLAINTEXT):
+        """tls: this service's TlsConfig, with which it dials decode services."""
+        self.loop = loop
+        self.lease_s = lease_s
+        self.metrics = metrics
+        self.tls = tls
+        self.inflight: dict[str, asyncio.Task] = {}
+        self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
+                      ) -> tuple[bool, str, float]:
+        """Deliver held blocks and release them: (accepted, reason, ms). Cancelling the caller
+        leaves the delivery running; it releases the blocks when it ends."""
+        rid = desc.request_id
+        task = asyncio.get_running_loop().create_task(self._deliver(desc, first_token_id,
+                                                                    address))
+        self.inflight[rid] = task
+        task.add_done_callback(lambda _: self.inflight.pop(rid, None))
+        return await asyncio.shield(task)
+
+    async def _deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
+                       ) -> tuple[bool, str, float]:
+        start = time.monotonic()
+        try:
+            reply = await self._stub(address).Deliver(
+                decode_pb2.DeliverRequest(request_id=desc.request_id,
+                                          first_token_id=first_token_id,
+                                          descriptor_json=desc.to_json()),
+                timeout=self.lease_s)
+            accepted, reason = reply.accepted, reply.reason
+        except grpc.aio.AioRpcError as e:
+            accepted, reason = False, f"Deliver to {address}: {e.code().name}: {e.details()}"
+        except Exception as e:  # never leave the blocks held
+            log.exception("delivering request %s to %s failed", desc.request_id, address)
+            accepted, reason = False, f"Deliver to {address}: {e}"
+        finally:
+            self.loop.abort(desc.request_id)  # releases the held blocks
+        (self.metrics.handoffs if accepted else self.metrics.delivery_failures).inc()
+        if not accepted:
+            log.info("request %s: KV not taken by %s (%s)", desc.request_id, address, reason)
+        return accepted, reason, 1e3 * (time.monotonic() - start)
+
+    def delivering(self, request_id: str) -> bool:
+        return request_id in self.inflight
+
+    def _stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc_util.channel(address, self.tls)
+            self._channels.append(channel)
+            stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        """At shutdown: let the deliveries in flight end (each releases its blocks)."""
+        await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+        for channel in self._channels:
+            await channel.close(grace=1.0)
+        self._channels.clear()
+        self._stubs.clear()

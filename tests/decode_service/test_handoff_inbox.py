@@ -1,0 +1,138 @@
+"""HandoffInbox: blocks reserved when the Decode call arrives, filled by the delivery, in either
+order; every failure, a cancellation and a vanished peer leave no block reserved (real Redis for
+the peer's record, a real engine on its loop, the source pool in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.errors import HandoffNotFoundError, PeerGoneError
+from common.flags import build
+from common.kv_transport.source import KVSource
+from common.registry import EmbeddedRedis, InstanceInfo, Registry
+from common.serving.engine_loop import EngineLoop
+from common.serving.metrics import SLO, DecodeMetrics, engine_stats
+from decode_service.handoff import HandoffInbox
+
+MODEL = "dummy:tiny-llama"
+PREFILL = "prefill-0"
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with EmbeddedRedis() as server, Registry(server.url, "inbox") as registry:
+        registry.register(InstanceInfo(PREFILL, "prefill", "127.0.0.1:1", MODEL), ttl_s=600)
+        yield registry
+
+
+@pytest.fixture
+def setup(registry):
+    engine = LLMEngine(build(EngineConfig, model=MODEL, device="cpu", num_kv_blocks=64))
+    loop = EngineLoop(engine).start()
+    metrics = DecodeMetrics(engine.model_name, SLO(),
+                            lambda: loop.call(engine_stats).result(timeout=5))
+    inbox = HandoffInbox(registry, loop, timeout_s=5.0, metrics=metrics, wait_s=0.5,
+                         peer_check_s=0.1)
+    # The prefill side: a pool of the same geometry in this process ("local" transport).
+    src = torch.randn(engine.kv_cache.shape, generator=torch.Generator().manual_seed(3))
+    source = KVSource(PREFILL, src, MODEL)
+    yield engine, loop, inbox, source, src
+    inbox.close()
+    loop.stop()
+    source.close()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def describe(source, rid: str, blocks: list[int], **changes):
+    desc = source.describe(rid, blocks, num_tokens=16 * len(blocks), block_hashes=[])
+    return dataclasses.replace(desc, **changes)
+
+
+def used(loop) -> int:
+    return loop.call(lambda e: e.block_manager.num_used_blocks).result(timeout=5)
+
+
+def free(loop, blocks) -> None:
+    loop.call(lambda e: e.free_blocks(blocks)).result(timeout=5)
+
+
+@pytest.mark.parametrize("order", ["decode call first", "delivery first"])
+def test_delivery_fills_the_reserved_blocks(setup, order):
+    engine, loop, inbox, source, src = setup
+    desc = describe(source, "ok", [7, 3, 9])
+
+    async def scenario():
+        calls = [lambda: inbox.take("ok", 3, PREFILL), lambda: inbox.deliver("ok", desc, 42, 10.0)]
+        if order == "delivery first":
+            calls.reverse()
+        first = asyncio.create_task(calls[0]())
+        await asyncio.sleep(0.05)
+        assert not first.done()  # the Decode call waits for the KV, or the delivery for the call
+        assert inbox.pending == ({"ok"} if order == "decode call first" else set())
+        second = asyncio.create_task(calls[1]())
+        done = [await first, await second]
+        return done if order == "decode call first" else done[::-1]
+
+    taken, (accepted, reason) = asyncio.run(scenario())
+    assert (accepted, reason, taken.first_token_id, taken.failure) == (True, "", 42, "")
+    assert len(taken.block_ids) == 3 and used(loop) == 3
+    for s, d in zip([7, 3, 9], taken.block_ids, strict=True):
+        assert torch.equal(engine.kv_cache[:, :, d], src[:, :, s])
+    assert inbox.transports_used == {"local": 1} and not inbox.pending and not inbox.slots
+    free(loop, taken.block_ids)
+
+
+@pytest.mark.parametrize("case", ["checksum", "deadline"])
+def test_unusable_delivery_frees_the_blocks_and_recomputes(setup, case):
+    _, loop, inbox, source, _ = setup
+    desc = describe(source, case, [1, 2], **({"checksum": 12345} if case == "checksum" else {}))
+    remaining = 0.01 if case == "deadline" else 10.0  # a pull ending this close is discarded
+
+    async def scenario():
+        take = asyncio.create_task(inbox.take(case, 2, PREFILL))
+        return await inbox.deliver(case, desc, 7, remaining), await take
+
+    (accepted, reason), taken = asyncio.run(scenario())
+    assert not accepted and reason == taken.failure
+    assert ("checksum mismatch" if case == "checksum" else "deadline") in reason
+    assert (taken.block_ids, taken.first_token_id) == (None, 7)
+    assert used(loop) == 0 and not inbox.slots
+
+
+def test_cancelled_decode_call_frees_its_reservation_and_refuses_the_delivery(setup):
+    _, loop, inbox, source, _ = setup
+
+    async def scenario():
+        take = asyncio.create_task(inbox.take("gone", 4, PREFILL))
+        await asyncio.sleep(0.05)
+        assert inbox.pending == {"gone"}
+        take.cancel()
+        await asyncio.gather(take, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the free is a command on the engine thread
+        assert used(loop) == 0
+        with pytest.raises(HandoffNotFoundError):  # at once, not after wait_s
+            await asyncio.wait_for(inbox.deliver("gone", describe(source, "gone", [1]), 1, 10.0),
+                                   0.2)
+
+    asyncio.run(scenario())
+    assert not inbox.slots
+
+
+def test_delivery_without_a_decode_call_is_refused_after_the_wait(setup):
+    _, _, inbox, source, _ = setup
+    with pytest.raises(HandoffNotFoundError, match="no Decode call waits"):
+        asyncio.run(inbox.deliver("nobody", describe(source, "nobody", [1]), 1, 10.0))
+    assert not inbox.slots
+
+
+def test_vanished_prefill_frees_the_reservation(setup):
+    _, loop, inbox, _, _ = setup
+    with pytest.raises(PeerGoneError, match="prefill-9 left the registry"):
+        asyncio.run(inbox.take("orphan", 5, "prefill-9"))
+    assert used(loop) == 0 and not inbox.slots
