@@ -180,7 +180,7 @@ class Migrator:
                 if handle.aborted or not _retryable(exc):
                     raise
                 failures += 1
-                failed = handle.decode or handle.prefill
+                failed = handle.current
                 log.warning("request %s: %s failed after %d tokens (%s); failure %d of %d "
                             "allowed", req.request_id, failed.instance_id if failed else "routing",
                             len(delivery.token_ids), _describe(exc), failures,
@@ -200,7 +200,7 @@ class Migrator:
                 self.counters.retries += 1
             attempt = delivery.continuation()
             handle.internal_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
-            handle.prefill = handle.decode = None
+            handle.prefill = handle.decode = handle.current = None
 
     async def _probe(self, info: InstanceInfo) -> None:
         """Quarantine the instance unless it answers a health check with SERVING."""

@@ -47,6 +47,9 @@ class Inflight:
     internal_id: str                      # the id the services know it by
     prefill: InstanceInfo | None = None
     decode: InstanceInfo | None = None
+    # The instance whose stream is being read: a failure now is its failure (both calls are
+    # open during the prefill stage, and only the one read fails the attempt).
+    current: InstanceInfo | None = None
     calls: list[grpc.aio.Call] = field(default_factory=list)
     aborted: bool = False
 
@@ -113,14 +116,14 @@ class Relay:
         try:
             decode = await self._pick_decode(req.prompt_token_ids, req.params.max_tokens)
             self.router.acquire(decode.instance_id)  # counted from now, so a burst spreads out
-            handle.decode = decode
+            handle.decode = handle.current = decode
             st.timings.decode_instance = decode.instance_id
             if len(req.known_token_ids) <= self.config.local_prefill_max_tokens:
                 stream = self._decode(req, handle, decode, {"prefill_locally": True}, deadline)
             else:
                 prefill = await self._pick_prefill(req.known_token_ids)
                 handle.check()
-                handle.prefill = prefill
+                handle.prefill = handle.current = prefill
                 # Opened first: it reserves blocks while the prefill queues and computes.
                 stream = self._decode(req, handle, decode, {"handoff": decode_pb2.Handoff(
                     include_first_text=bool(req.params.stop),
@@ -132,6 +135,7 @@ class Relay:
                     if st.completed:
                         return
                     handle.check()
+                    handle.current = decode
                     async for msg in self._decode_stage(stream, False, st, req):
                         yield msg
                     return

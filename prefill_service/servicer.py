@@ -81,8 +81,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             desc = await asyncio.to_thread(self.source.describe, rid, final.held_block_ids,
                                            len(prompt) + len(carried), final.block_hashes)
             delivering = True
+            described = time.monotonic()
             accepted, _, _ = await self.deliveries.deliver(desc, first_token,
                                                            request.decode_address)
+            log.debug("handoff %s: describe (checksum) %.2f ms, deliver %.2f ms", rid,
+                      1e3 * (described - start), 1e3 * (time.monotonic() - described))
             yield prefill_pb2.PrefillResponse(request_id=rid, delivered=accepted,
                                               deliver_ms=ms(time.monotonic() - start),
                                               instance_id=self.instance.instance_id)
