@@ -25,7 +25,8 @@ from common.engine.core.sequence import FinishReason, Sequence
 from common.engine.cuda_runner import make_runner
 from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep
 from common.engine.sampler import TokenLogprobs
-from common.errors import InvalidRequestError
+from common.engine.structured import GrammarCache, GrammarState
+from common.errors import InvalidRequestError, SplitserveError
 from common.models.loader import load_model, resolve_model
 from common.spec_decode.draft_model import kv_bytes_per_block, load_draft_model
 from common.spec_decode.speculator import SpecDecodeCounters, make_speculator
@@ -75,6 +76,9 @@ class RequestOutput:
     block_hashes: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
     text: str = ""  # all output text so far
+    # Set on a finished output when the request failed after it was added (its structured
+    # output's grammar was refused): the caller reports this error instead of the output.
+    error: SplitserveError | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -143,6 +147,12 @@ class LLMEngine:
         self.texts: dict[str, _Text] = {}
         self.held: dict[str, list[int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        # Structured outputs (common/engine/structured.py): grammars compile off this thread;
+        # `wakeup` (set by the engine's driver, e.g. EngineLoop) is called when one is done.
+        self.grammars = (GrammarCache(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
+        self._compiling: list[Sequence] = []
+        self.wakeup: Callable[[], None] | None = None
         # Overlap scheduling (see step()); speculation proposes from the real last tokens.
         self.overlap = self.speculator is None and (
             config.scheduler.overlap_scheduling == "on"
@@ -196,6 +206,8 @@ class LLMEngine:
             raise InvalidRequestError(f"output token ids must be in [0, {vocab})")
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                        arrival_time=arrival_time or time.monotonic())
+        if params.structured is not None:
+            seq.grammar = self._grammar_state(params)
         if self.tokenizer is not None:
             self.texts[request_id] = _Text(
                 IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
@@ -220,9 +232,49 @@ class LLMEngine:
             seq.first_token_time = seq.arrival_time
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        if seq.grammar is not None and not seq.grammar.ready:
+            self._compiling.append(seq)
         if reason is not None:  # a known token already ended it: report at the next step
             self._finish(seq, reason)
             self._pending.append(self._output(seq, [], "", None, time.monotonic()))
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState:
+        """The request's matcher state, active at once when its grammar is cached (a refused
+        one raises its InvalidRequestError here); else it waits for the compile (see step())."""
+        if self.grammars is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer")
+        future = self.grammars.get(params.structured, self._wake)
+        state = GrammarState(future, self.eos_token_ids)
+        if future.done():
+            state.activate([])  # the known outputs are fed as they are appended
+        return state
+
+    def _wake(self) -> None:
+        if self.wakeup is not None:
+            self.wakeup()
+
+    def _activate_compiled(self) -> None:
+        """Sequences whose grammar finished compiling get their matcher (fed every output they
+        have), or end: with the parser's error if the spec was refused, with reason "grammar"
+        if their delivered outputs break it."""
+        waiting = []
+        for seq in self._compiling:
+            if seq.is_finished:
+                continue
+            if not seq.grammar.future.done():
+                waiting.append(seq)
+                continue
+            error = None
+            try:
+                fits = seq.grammar.activate(seq.output_token_ids)
+            except InvalidRequestError as e:
+                fits, error = False, e
+            if not fits:
+                self._finish(seq, FinishReason.ABORT if error else FinishReason.GRAMMAR)
+                out = self._output(seq, [], "", None, time.monotonic())
+                out.error = error
+                self._pending.append(out)
+        self._compiling = waiting
 
     def abort(self, request_id: str) -> bool:
         if self.release_held(request_id):
@@ -310,6 +362,8 @@ class LLMEngine:
         common.engine.model_runner), which the runner reads on the device.
         """
         self._use_device()
+        if self._compiling:
+            self._activate_compiled()
         outputs, self._pending = self._pending, []
         launched = self._launch()
         if not self.overlap:
@@ -370,10 +424,11 @@ class LLMEngine:
         """Overlap: each sequence that sampled in the step just launched, and may go on, gets a
         placeholder for that token, so the next schedule() gives it a decode row (penalties
         read the token on the device). Sequences that hand their blocks off when they end, or
-        that this token surely ends, wait for the real token."""
+        that this token surely ends, or whose grammar must see it first, wait for the real
+        token."""
         for row, seq in enumerate(pending.seqs):
             p = seq.params
-            if (seq.is_finished or p.hold_blocks
+            if (seq.is_finished or p.hold_blocks or seq.grammar is not None
                     or seq.num_output_tokens + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
                 continue
@@ -394,6 +449,11 @@ class LLMEngine:
         if reason is None and (seq.num_output_tokens >= p.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
+        if seq.grammar is not None:  # a dead end's stop token is what the grammar rejects
+            if not seq.grammar.accept(token):
+                reason = FinishReason.GRAMMAR
+            elif seq.grammar.terminated:
+                reason = FinishReason.STOP
         text = self.texts.get(seq.request_id)
         if text is None:
             return "", reason

@@ -4,6 +4,8 @@ Order of operations for each row (each step is skipped when no row in the batch 
 
     raw logits --(log_softmax)--> the logprobs a request asked for (vLLM V1's default)
         |
+        structured outputs: tokens a row's grammar forbids get -inf (common/engine/structured.py,
+            one launch for all constrained rows)
         min_tokens: EOS and stop_token_ids get -inf while the row has fewer outputs than asked
         repetition penalty (HF: prompt + output tokens), then frequency/presence (OpenAI: outputs)
         |-- greedy rows (temperature ~0 or top_k == 1): argmax, no randomness consumed
@@ -26,6 +28,7 @@ import torch
 
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.core.sequence import Sequence
+from common.engine.structured import TokenMasker
 from common.engine.uploads import to_device
 
 
@@ -83,6 +86,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.masker = TokenMasker()
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's generator; unknown ids are ignored."""
@@ -103,13 +107,16 @@ class Sampler:
             return DeviceSample(torch.empty(0, dtype=torch.long, device=logits.device), None, [])
         masked = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
         penalised = [i for i, seq in enumerate(seqs) if seq.params.needs_penalties]
-        if logits.dtype != torch.float32 and (masked or penalised or not all(
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if logits.dtype != torch.float32 and (masked or penalised or constrained or not all(
                 seq.params.greedy and seq.params.logprobs is None for seq in seqs)):
             # Lower-precision logits (the CUDA decode graphs') are upcast before anything
             # computes with them; a plain greedy batch takes their argmax as it is (upcasting
             # keeps the order, so the tokens are the same).
             logits = logits.float()
-        work = logits.clone() if masked or penalised else logits
+        work = logits.clone() if masked or penalised or constrained else logits
+        if constrained:
+            self.masker.apply(work, constrained, [seqs[i].grammar for i in constrained])
         if masked:
             _mask_stop_tokens(work, [seqs[i] for i in masked], masked)
         if penalised:

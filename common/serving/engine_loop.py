@@ -7,7 +7,8 @@ condition when there is nothing to do (no polling).
 
 Each request has a sink, called on the loop's thread with every RequestOutput of the request,
 then never again once one is `finished`. A request that ends without a final output (aborted
-through this loop, the loop stopping, or an engine error) gets one exception instead:
+through this loop, the loop stopping, an engine error, or a grammar its parser refused: the
+output's `error`) gets one exception instead:
 EngineDroppedRequest or the error. `AsyncOutputStream` is a sink that hands items to an asyncio
 loop.
 """
@@ -42,6 +43,13 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
+        engine.wakeup = self._wake  # a structured output's grammar compiled off the thread
+
+    def _wake(self) -> None:
+        """Any thread: step again even if the last step was idle (a no-op command)."""
+        with self._cond:
+            self._commands.append(lambda: None)
+            self._cond.notify()
 
     # ---- control (any thread) -----------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -152,7 +160,7 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            sink(out)
+            sink(out if out.error is None else out.error)
 
     def _abort_all(self, make_exc: Callable[[str], BaseException]) -> None:
         for request_id in list(self.engine.seqs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.engine.core.sampling_params import SamplingParams
+from common.engine.core.sampling_params import SamplingParams, StructuredOutput
 from common.errors import InvalidRequestError
 from protos.splitserve.v1 import types_pb2
 
@@ -20,6 +20,7 @@ FINISH_TO_PB = {
     "stop": types_pb2.FINISH_REASON_STOP,
     "length": types_pb2.FINISH_REASON_LENGTH,
     "abort": types_pb2.FINISH_REASON_ABORT,
+    "grammar": types_pb2.FINISH_REASON_GRAMMAR,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
@@ -31,8 +32,37 @@ def params_from_pb(pb: types_pb2.SamplingParams, **overrides: object) -> Samplin
     values.update(stop=list(pb.stop), stop_token_ids=list(pb.stop_token_ids),
                   ignore_eos=pb.ignore_eos, min_tokens=pb.min_tokens,
                   include_stop_str_in_output=pb.include_stop_str_in_output)
+    values["structured"] = structured_from_pb(pb)
     values.update(overrides)
     return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+# StructuredOutput.kind <-> the field of the SamplingParams `structured` oneof.
+_STRUCTURED_FIELDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex",
+                      "choice": "choice", "grammar": "grammar"}
+_STRUCTURED_KINDS = {v: k for k, v in _STRUCTURED_FIELDS.items()}
+
+
+def structured_from_pb(pb: types_pb2.SamplingParams) -> StructuredOutput | None:
+    """The oneof `structured` as a StructuredOutput (None when unset; json_object false is
+    unset too); InvalidRequestError for an empty one."""
+    name = pb.WhichOneof("structured")
+    if name is None or (name == "json_object" and not pb.json_object):
+        return None
+    kind = _STRUCTURED_KINDS[name]
+    if kind == "choice":
+        return StructuredOutput(kind, choices=tuple(pb.choice.values))
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(pb, name))
+
+
+def structured_to_pb(structured: StructuredOutput, pb: types_pb2.SamplingParams) -> None:
+    """Set the oneof `structured` of pb from a StructuredOutput."""
+    if structured.kind == "choice":
+        pb.choice.values.extend(structured.choices)
+    elif structured.kind == "json_object":
+        pb.json_object = True
+    else:
+        setattr(pb, _STRUCTURED_FIELDS[structured.kind], structured.value)
 
 
 def params_to_pb(params: SamplingParams) -> types_pb2.SamplingParams:
@@ -53,6 +83,8 @@ def params_to_pb(params: SamplingParams) -> types_pb2.SamplingParams:
         except (ValueError, TypeError) as e:
             shown = "" if isinstance(value, list) else f" ({value})"
             raise InvalidRequestError(f"{name} is out of range{shown}") from e
+    if params.structured is not None:
+        structured_to_pb(params.structured, pb)
     return pb
 
 

@@ -74,6 +74,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The tokenizer.json pipeline as JSON text (structured outputs read its vocabulary)."""
+        return self._backend.to_str()
+
+    def raw_vocab(self) -> dict[str, int]:
+        """Every token's raw (pre-decoding) string and its id, added tokens included."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

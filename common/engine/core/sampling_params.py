@@ -2,9 +2,48 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output text, compiled by common/engine/structured.py (xgrammar).
+
+        json         value: a JSON Schema (JSON text); the output is one JSON value it accepts
+        json_object  any JSON object (value and choices empty)
+        regex        value: a regular expression the whole output matches
+        choice       choices: the output is exactly one of these strings
+        grammar      value: an EBNF grammar (GBNF style, start rule `root`)
+
+    Checked here only as far as pure Python can (a schema must be a JSON object, a choice
+    non-empty); the engine compiles it and refuses what its parsers refuse."""
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of "
+                                      f"{', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.kind == "choice":
+            if not self.choices:
+                raise InvalidRequestError("structured output choice needs at least one string")
+        elif self.choices:
+            raise InvalidRequestError(f"choices are only for kind choice, not {self.kind}")
+        if self.kind in ("json", "regex", "grammar") and not self.value:
+            raise InvalidRequestError(f"structured output {self.kind} is empty")
+        if self.kind == "json":
+            try:
+                schema = json.loads(self.value)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from e
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError("a JSON schema must be an object (or true/false)")
 
 
 @dataclass(slots=True)
@@ -30,6 +69,10 @@ class SamplingParams:
     # Opt out of speculative decoding (when the engine has it on). Requests with penalties or
     # logprobs never speculate: see common/spec_decode/speculator.py.
     speculative: bool = True
+    # Constrain the output to a schema, regex, choice or grammar; a constrained request never
+    # speculates (its drafts would need the grammar's mask and rollback), so this sets
+    # `speculative` to False.
+    structured: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 64
@@ -41,6 +84,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured is not None:
+            self.speculative = False
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),

@@ -128,7 +128,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
-            if num_new <= 0:
+            if num_new <= 0 or not seq.is_ready:  # (a handed-off request's grammar compiles)
                 i += 1
                 continue
             num_drafts = max(0, num_new - seq.num_uncomputed_tokens)
@@ -152,7 +152,11 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            # FCFS among the sequences that are ready: one whose grammar compiles waits, and
+            # does not hold up those behind it.
+            seq = next((s for s in self.waiting if s.is_ready), None)
+            if seq is None:
+                break
             hit: list[int] = []
             if seq.num_computed_tokens == 0:
                 hit, hashes = self.bm.match_prefix(seq.token_ids)
@@ -165,7 +169,7 @@ class Scheduler:
             hit_free = sum(1 for b in hit if self.bm.blocks[b].ref_count == 0)
             if not self.bm.can_allocate(needed + hit_free):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if hit:
                 self.bm.acquire_prefix(hit, seq.num_tokens)
                 seq.block_table = list(hit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.engine.core.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"        # EOS, a stop token id or a stop string
     LENGTH = "length"    # max_tokens or the model's context length
     ABORT = "abort"      # cancelled by the client or the service
+    GRAMMAR = "grammar"  # structured output: the grammar allows no next token (a dead end)
 
 
 @dataclass(slots=True)
@@ -52,6 +54,14 @@ class Sequence:
     # Draft tokens proposed for the next step (speculative decoding). They are not known tokens:
     # only those the target model verifies are appended to token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured output: the request's matcher (common.engine.structured.GrammarState), or None.
+    # The scheduler reads only its `ready` (False while the grammar compiles on another thread).
+    grammar: Any = None
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the sequence may be scheduled: it has no grammar, or its grammar is compiled."""
+        return self.grammar is None or self.grammar.ready
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,204 @@
+"""Structured outputs: grammars compiled once by content, one matcher per request, the token mask.
+
+    SamplingParams.structured (core/sampling_params.py, pure Python)
+        |  GrammarCache.get(): a Future of the compiled grammar; xgrammar compiles it on the
+        |  cache's one worker thread, never on the engine's; equal specs share one entry (LRU)
+        v
+    GrammarState (Sequence.grammar)   not `ready` while the future runs: the scheduler skips it
+        |  activate(): the matcher, fed every output the request already has (a first token
+        |              sampled by a prefill service, a migrated request's delivered tokens)
+        |  accept(token): the engine feeds each new output; False when the grammar rejects it
+        v
+    TokenMasker.apply() in the sampler: each constrained row's allowed tokens filled as a bitmask
+        on the host (xgrammar, microseconds), copied to the device through pinned memory without
+        a sync, applied to every constrained row of the batch in one launch
+
+A grammar that allows no next token (a dead end) gets its stop tokens allowed instead: the row
+samples one, the matcher rejects it, and the engine finishes the request with reason "grammar"
+rather than sampling from an all -inf row. A spec the parser refuses fails its future with an
+InvalidRequestError carrying the parser's message (the engine ends the request with it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xgrammar as xgr
+
+from common.engine.core.sampling_params import StructuredOutput
+from common.errors import InvalidRequestError
+from common.text.tokenizer import Tokenizer
+
+# xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:line: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int,
+                   stop_token_ids: tuple[int, ...]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary: each id's raw token string (ids the tokenizer lacks, up
+    to the model's vocab_size, stay empty and are never allowed), its decoding scheme detected from
+    tokenizer.json, and the tokens that end a grammar."""
+    encoded = [""] * vocab_size
+    for token, i in tokenizer.raw_vocab().items():
+        if i < vocab_size:
+            encoded[i] = token
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_json())
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=list(stop_token_ids),
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """The EBNF grammar whose language is exactly `choices`."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _parser_message(exc: Exception) -> str:
+    text = str(exc).strip()
+    return _LOG_PREFIX.sub("", text.splitlines()[0] if text else type(exc).__name__)
+
+
+class GrammarCache:
+    """Compiled grammars by content, compiled on one worker thread.
+
+    get() returns the same Future for equal specs while the entry lives (at most `max_entries`,
+    least recently used evicted; a refused spec is cached too and fails at once next time). Only
+    the engine's thread calls get(); futures complete on the worker."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 max_entries: int = 256):
+        self._make_info = lambda: tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None  # built on the worker, on first use
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._entries: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._max_entries = max_entries
+        self.stop_token_ids = stop_token_ids
+        self.vocab_size = vocab_size
+
+    def get(self, spec: StructuredOutput,
+            on_done: Callable[[], None] | None = None) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of spec, now or later; on_done runs when it is (on the worker's
+        thread, or at once if it already is)."""
+        future = self._entries.get(spec)
+        if future is None:
+            future = self._pool.submit(self._compile, spec)
+            self._entries[spec] = future
+            while len(self._entries) > self._max_entries:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(spec)
+        if on_done is not None:
+            future.add_done_callback(lambda _f: on_done())
+        return future
+
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        if self._compiler is None:
+            self._compiler = xgr.GrammarCompiler(self._make_info(), max_threads=1,
+                                                 cache_enabled=False)
+        c = self._compiler
+        try:
+            if spec.kind == "json":
+                return c.compile_json_schema(spec.value, any_whitespace=False)
+            if spec.kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return c.compile_regex(spec.value)
+            if spec.kind == "choice":
+                return c.compile_grammar(choice_grammar(spec.choices))
+            return c.compile_grammar(spec.value)
+        except (RuntimeError, ValueError, TypeError) as e:  # the parsers' errors
+            label = {"json": "JSON schema", "regex": "regex", "grammar": "grammar",
+                     "choice": "choice"}.get(spec.kind, spec.kind)
+            raise InvalidRequestError(f"invalid {label}: {_parser_message(e)}") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarState:
+    """One request's place in its grammar. Not `ready` until its grammar is compiled and
+    activate() has run; until then accept() takes any token (activate feeds them all)."""
+
+    def __init__(self, future: Future[xgr.CompiledGrammar], stop_token_ids: tuple[int, ...]):
+        self.future = future
+        self.stop_token_ids = stop_token_ids
+        self.matcher: xgr.GrammarMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: nothing more may follow."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    def activate(self, outputs: list[int]) -> bool:
+        """Make the matcher (the future must be done: raises its InvalidRequestError if the spec
+        was refused) and feed it `outputs`; False if it rejects one of them."""
+        self.matcher = xgr.GrammarMatcher(self.future.result())
+        return all(self.accept(t) for t in outputs)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one output token; False if the grammar does not allow it here."""
+        if self.matcher is None:
+            return True
+        return not self.matcher.is_terminated() and self.matcher.accept_token(token_id)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (int32 [n, ceil(vocab / 32)] on the
+        host); a dead end allows the stop tokens instead (see the module docstring)."""
+        assert self.matcher is not None, "fill() before activate()"
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if not bool(bitmask[row].any()):
+            for t in self.stop_token_ids:
+                word, bit = divmod(t, 32)
+                value = int(bitmask[row, word]) | (1 << bit)
+                bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+class TokenMasker:
+    """Applies the constrained rows' grammars to a batch's logits (the sampler owns one).
+
+    Host bitmasks are reused: on CUDA two pinned buffers take turns, each reused only after the
+    copy that read it two calls ago has finished (its event; by then that step's tokens have been
+    read, so the wait costs nothing), so the copy runs without a host sync."""
+
+    def __init__(self) -> None:
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+        """In place: logits [n, vocab] float32; rows[j] is constrained by states[j]."""
+        n, vocab = logits.shape
+        cuda = logits.device.type == "cuda"
+        turn = self._turn
+        self._turn ^= 1 if cuda else 0
+        host = self._buffer(turn, n, (vocab + 31) // 32, cuda)
+        for row, state in zip(rows, states, strict=True):
+            state.fill(host, row)
+        mask = host
+        if cuda:
+            mask = host.to(logits.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[turn] = event
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows,
+                                        backend="triton" if cuda else "cpu")
+
+    def _buffer(self, turn: int, n: int, words: int, pinned: bool) -> torch.Tensor:
+        event = self._copied[turn]
+        if event is not None:
+            event.synchronize()
+        host = self._host[turn]
+        if host is None or host.shape[0] < n or host.shape[1] != words:
+            rows = max(n, 2 * host.shape[0] if host is not None else 8)
+            host = torch.empty(rows, words, dtype=torch.int32, pin_memory=pinned)
+            self._host[turn] = host
+        return host[:n]
