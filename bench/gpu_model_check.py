@@ -75,7 +75,7 @@ def hf_model(mc: ModelConfig, dtype: torch.dtype, state: dict[str, torch.Tensor]
 
 def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     """Our fused parameters split back into HF checkpoint tensors (views)."""
-    return {name: param[start:end] for name, (param, start, end)
+    return {name: param[start:end] for name, (param, start, end, *_)
             in model.hf_weight_targets().items()}
 
 

@@ -13,11 +13,13 @@ whose status is chosen where it is raised.
     ├── UnavailableError                UNAVAILABLE         503
     │   ├── NoInstanceError                                       (also a LookupError)
     │   ├── EngineLoopStopped                                     (also a RuntimeError)
-    │   └── TransferError                                         (also a RuntimeError)
+    │   ├── TransferError                                         (also a RuntimeError)
+    │   └── RankFailure                                           (also a RuntimeError)
     ├── DeadlineExceededError           DEADLINE_EXCEEDED   504   (also a TimeoutError)
     ├── RequestCancelledError           CANCELLED           499
     │   ├── EngineDroppedRequest
     │   └── ClientAborted
+    ├── ConfigError                     FAILED_PRECONDITION 500   (also a ValueError)
     └── ServiceError                    chosen at raise time
 
 A class's HTTP status is the one HTTP_STATUS gives its gRPC status, so an error answers the same
@@ -133,3 +135,15 @@ class ServiceError(SplitserveError):
         super().__init__(details)
         self.grpc_status = code.name
         self.http_status = http_status_of(code.name)
+
+
+class ConfigError(SplitserveError, ValueError):
+    """Settings that cannot work together, found at start-up (a tensor parallel size that does
+    not divide the model's heads or vocabulary); the message names the numbers."""
+
+    grpc_status, http_status = "FAILED_PRECONDITION", 500
+
+
+class RankFailure(UnavailableError, RuntimeError):
+    """A tensor-parallel rank died, hung past its collective timeout or failed to start: the
+    engine cannot step again, and its instance goes down."""

@@ -6,7 +6,8 @@ flag (`common.flags`) with its help beside it.
     ├── cache:       CacheConfig       the paged KV pool and the prefix cache
     ├── scheduler:   SchedulerConfig   batch limits, chunked prefill, overlap (engine/core)
     ├── speculative: SpeculativeConfig n-gram or draft-model speculation
-    └── cuda_graphs: CudaGraphConfig   which steps replay CUDA graphs
+    ├── cuda_graphs: CudaGraphConfig   which steps replay CUDA graphs
+    └── parallel:    ParallelConfig    tensor parallelism (ranks, collective timeout)
 
 Tests and scripts build one from flag names: `build(EngineConfig, model="dummy:tiny-llama",
 num_kv_blocks=64)`.
@@ -131,12 +132,31 @@ class CudaGraphConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = opt(1, "tensor parallel ranks: one process each (gloo on CPU, "
+                                    "NCCL on CUDA), each holding 1/N of the heads, the MLP and "
+                                    "the vocabulary; must divide the heads (KV heads are "
+                                    "replicated above their count) and the vocabulary")
+    tp_timeout_s: float = opt(60.0, "timeout of every tensor-parallel collective and of the "
+                              "ranks' start-up rendezvous: a hung rank fails the engine after "
+                              "it")
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelSettings = group(ModelSettings)
     cache: CacheConfig = group(CacheConfig, "KV cache")
     scheduler: SchedulerConfig = group(SchedulerConfig)
     speculative: SpeculativeConfig = group(SpeculativeConfig, "speculative decoding")
     cuda_graphs: CudaGraphConfig = group(CudaGraphConfig, "CUDA graphs")
+    parallel: ParallelConfig = group(ParallelConfig, "tensor parallelism")
 
     @property
     def model_name(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -24,10 +25,12 @@ from common.engine.core.scheduler import Scheduler, SchedulerOutput
 from common.engine.core.sequence import FinishReason, Sequence
 from common.engine.cuda_runner import make_runner
 from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep
+from common.engine.parallel import RankWorkers, threads_per_rank
 from common.engine.sampler import TokenLogprobs
 from common.engine.structured import GrammarCache, GrammarState
 from common.errors import InvalidRequestError, SplitserveError
-from common.models.loader import load_model, resolve_model
+from common.models.loader import load_model, model_config, resolve_model
+from common.models.sharding import Shard, shard_layout
 from common.spec_decode.draft_model import kv_bytes_per_block, load_draft_model
 from common.spec_decode.speculator import SpecDecodeCounters, make_speculator
 from common.text.detokenizer import IncrementalDetokenizer, StopChecker
@@ -101,6 +104,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.model.dtype]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_cache_allocator: KVAllocator | None = None,
                  runner_factory: Callable[..., ModelRunner] = make_runner):
@@ -108,21 +117,29 @@ class LLMEngine:
         elsewhere); tests pass a runner class to compare runners on the same device."""
         self.config = config
         self.device = resolve_device(config.model.device)
-        if config.model.dtype == "auto":
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = _DTYPES[config.model.dtype]
+        self.dtype = resolve_dtype(config, self.device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
         if self._cuda_index is None and self.device.type == "cuda":
             self._cuda_index = torch.cuda.current_device()
             self.device = torch.device("cuda", self._cuda_index)
         self._use_device()
         torch.manual_seed(config.model.seed)
-        if config.model.cpu_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.model.cpu_threads)
+        tp = config.parallel.tensor_parallel_size
+        if (config.model.cpu_threads or tp > 1) and self.device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(config))
         cache_dir = config.model.model_cache_dir
+        self.ranks: RankWorkers | None = None
+        if tp > 1:  # a size that does not divide the model fails here, before any rank starts
+            shard_layout(model_config(config.model.name, cache_dir), Shard(0, tp))
+            self.ranks = RankWorkers(config, self.device)
+            weakref.finalize(self, self.ranks.close)
+            if runner_factory is make_runner:  # CUDA graphs are not yet taken on every rank
+                runner_factory = ModelRunner
         self.model, self.model_config = load_model(
-            config.model.name, dtype=self.dtype, device=self.device, cache_dir=cache_dir)
+            config.model.name, dtype=self.dtype, device=self.device, cache_dir=cache_dir,
+            shard=Shard(0, tp))
+        if self.ranks is not None:
+            self.model.comm = self.ranks.group
         self.tokenizer: Tokenizer | None = None
         if not config.model.is_dummy:
             self.tokenizer = Tokenizer.from_dir(resolve_model(config.model.name, cache_dir))
@@ -136,6 +153,9 @@ class LLMEngine:
         self.runner = runner_factory(self.model, mc, config, self.device, self.dtype,
                                      kv_cache_allocator, max_model_len=self.max_model_len,
                                      extra_bytes_per_block=draft_bytes)
+        if self.ranks is not None:
+            self.runner.ranks = self.ranks
+            self.ranks.start_runners(self.runner.num_blocks, self.max_model_len)
         self.speculator = make_speculator(config, self.max_model_len,
                                           num_blocks=self.runner.num_blocks,
                                           backend=self.runner.backend, draft_model=draft_model)
@@ -161,6 +181,11 @@ class LLMEngine:
         log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d",
                  config.model_name, self.device, self.dtype, self.runner.num_blocks,
                  config.cache.block_size)
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing at TP 1); the engine cannot step after."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def kv_cache(self) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from common.engine.core.sequence import Sequence
+from common.engine.parallel import RankWorkers
 from common.engine.sampler import DeviceSample, Sampler, TokenLogprobs
 from common.engine.step_input import StepInput, build_step_input, decodes_first, step_rows
 from common.models.attention import AttentionBackend, AttentionMetadata
@@ -159,16 +160,23 @@ class ModelRunner:
         self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks = self._pool_size()
         self.last_tokens: torch.Tensor | None = None  # what placeholders refer to
+        self.ranks: RankWorkers | None = None  # the other tensor-parallel ranks (LLMEngine sets)
         self.steps: dict[str, int] = {"eager": 0}  # launches by PendingStep.kind
         self.step_listeners: list[Callable[[StepTiming], None]] = []
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
+                 self.num_kv_heads, model_config.head_dim)
         self.kv_cache = (kv_cache_allocator or default_kv_allocator)(shape, dtype, device)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads in this rank's pool (all of them at TP 1)."""
+        layout = getattr(self.model, "layout", None)
+        return self.mc.num_kv_heads if layout is None else layout.num_kv_heads
 
     @property
     def bytes_per_block(self) -> int:
         mc = self.mc
-        return (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
+        return (2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim
                 * torch.empty((), dtype=self.dtype).element_size())
 
     def _pool_size(self) -> int:
@@ -224,8 +232,10 @@ class ModelRunner:
             dev = self.device
             self._fill_placeholders(input_ids, torch.tensor(step.placeholder_dst, device=dev),
                                     torch.tensor(step.placeholder_src, device=dev))
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         sampling = [s for s in items if s.samples]
+        if self.ranks is not None:  # they run the same forward (common.engine.parallel)
+            self.ranks.lead_step(step, input_ids, bool(sampling))
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         if not sampling:
             return PendingStep([])
         # Logit rows: each sampling sequence's last known token, then its drafts.

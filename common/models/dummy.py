@@ -71,3 +71,30 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=gen)
+
+
+def init_dummy_shard(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """init_dummy_weights for a tensor-parallel rank: this rank's slices of exactly the weights
+    init_dummy_weights gives the whole model (the full tensors are drawn one at a time, in the
+    same order, from the same generator, and each sliced as a checkpoint's would be)."""
+    from common.models.llama import LlamaModel
+    from common.models.weights import copy_shard
+
+    device = next(model.parameters()).device
+    full = LlamaModel(model.config, dtype=next(model.parameters()).dtype,
+                      device=torch.device("meta"))
+    by_param: dict[int, list[str]] = {}
+    for name, t in full.hf_weight_targets().items():
+        by_param.setdefault(id(t.param), []).append(name)
+    full_targets, targets = full.hf_weight_targets(), model.hf_weight_targets()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            drawn = torch.empty(p.shape, dtype=p.dtype, device=device)
+            if name.endswith("norm.weight"):
+                drawn.fill_(1.0)
+            else:
+                drawn.normal_(0.0, std, generator=gen)
+            for hf_name in by_param[id(p)]:
+                src = full_targets[hf_name]
+                copy_shard(targets[hf_name], drawn[src.start:src.end])

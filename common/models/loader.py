@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from common.models.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_weights
+from common.models.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_shard, init_dummy_weights
 from common.models.gguf_convert import convert_gguf
 from common.models.llama import LlamaModel
 from common.models.model_config import ModelConfig
+from common.models.sharding import NO_SHARD, Shard
 from common.models.weights import load_safetensors, safetensors_files
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -58,19 +59,26 @@ def resolve_model(spec: str, cache_dir: Path) -> Path:
     return path
 
 
-def load_model(spec: str, *, dtype: torch.dtype, device: torch.device,
-               cache_dir: Path) -> tuple[LlamaModel, ModelConfig]:
-    """Builds the model for spec with its weights in dtype on device (eval mode, no grad)."""
-    device = torch.device(device)
+def model_config(spec: str, cache_dir: Path) -> ModelConfig:
+    """The shape of the model for spec (converting a GGUF on first use), without its weights."""
     if spec.startswith(DUMMY_PREFIX):
-        config = dummy_config(spec.removeprefix(DUMMY_PREFIX))
-        model = LlamaModel(config, dtype=dtype, device=device)
-        init_dummy_weights(model)
+        return dummy_config(spec.removeprefix(DUMMY_PREFIX))
+    config = ModelConfig.from_pretrained(resolve_model(spec, Path(cache_dir)))
+    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):  # not the cache dir's hashed name
+        config = replace(config, name=Path(spec).stem if spec != DEFAULT_MODEL else spec)
+    return config
+
+
+def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, cache_dir: Path,
+               shard: Shard = NO_SHARD) -> tuple[LlamaModel, ModelConfig]:
+    """Builds the model for spec with its weights in dtype on device (eval mode, no grad).
+    shard: a tensor-parallel rank, which loads only its slices (common.models.sharding); a
+    size that does not divide the model is a ConfigError."""
+    device = torch.device(device)
+    config = model_config(spec, cache_dir)
+    model = LlamaModel(config, dtype=dtype, device=device, shard=shard)
+    if spec.startswith(DUMMY_PREFIX):
+        (init_dummy_weights if shard.size == 1 else init_dummy_shard)(model)
     else:
-        model_dir = resolve_model(spec, Path(cache_dir))
-        config = ModelConfig.from_pretrained(model_dir)
-        if spec == DEFAULT_MODEL or spec.endswith(".gguf"):  # not the cache dir's hashed name
-            config = replace(config, name=Path(spec).stem if spec != DEFAULT_MODEL else spec)
-        model = LlamaModel(config, dtype=dtype, device=device)
-        load_safetensors(model, model_dir)
+        load_safetensors(model, resolve_model(spec, Path(cache_dir)))
     return model.eval(), config

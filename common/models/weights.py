@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.models.llama import LlamaModel
+from common.models.llama import LlamaModel, WeightTarget
 
 # Checkpoint tensors that carry nothing we need (recomputed buffers of older exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -31,7 +31,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def load_safetensors(model: LlamaModel, model_dir: Path) -> None:
     """Fill every parameter of model from the checkpoint in model_dir (converting dtype and
-    moving to the parameters' device). Missing or unexpected tensors are errors."""
+    moving to the parameters' device). Missing or unexpected tensors are errors. A
+    tensor-parallel rank reads only its slice of each tensor (safetensors' get_slice)."""
     targets = model.hf_weight_targets()
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
@@ -44,15 +45,26 @@ def load_safetensors(model: LlamaModel, model_dir: Path) -> None:
                     if name not in targets:
                         raise ValueError(f"{file.name}: unexpected tensor {name!r} for "
                                          f"{model.config.architecture} model")
-                    param, start, end = targets[name]
-                    tensor = f.get_tensor(name)
-                    want = (end - start, *param.shape[1:])
-                    if tuple(tensor.shape) != want:
-                        raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
-                                         f"expected {want}")
-                    param[start:end].copy_(tensor)
+                    target = targets[name]
+                    sliced = f.get_slice(name)
+                    shape = tuple(sliced.get_shape())
+                    want = target.full
+                    if shape != want:
+                        raise ValueError(f"{file.name}: {name} has shape {shape}, expected "
+                                         f"{want}")
+                    copy_shard(target, sliced)
                     loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s): "
                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+
+def copy_shard(t: WeightTarget, source) -> None:
+    """param[start:end] = this rank's slice of source, the checkpoint tensor (a tensor, or a
+    safetensors slice: then only the slice is read)."""
+    n = t.end - t.start if t.src_dim == 0 else t.param.shape[1]
+    index = (slice(t.src_start, t.src_start + n) if t.src_dim == 0
+             else (slice(None), slice(t.src_start, t.src_start + n)))
+    t.param[t.start:t.end].copy_(source[index])

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from common import errors
 from common.errors import (
     ClientAborted,
+    ConfigError,
     DeadlineExceededError,
     EngineDroppedRequest,
     EngineLoopStopped,
@@ -22,6 +23,7 @@ from common.errors import (
     NoFreeBlocksError,
     NoInstanceError,
     OverloadedError,
+    RankFailure,
     RequestCancelledError,
     ServiceError,
     SplitserveError,
@@ -41,6 +43,8 @@ STATUSES = [  # (class, gRPC status, HTTP status)
     (NoInstanceError, grpc.StatusCode.UNAVAILABLE, 503),
     (EngineLoopStopped, grpc.StatusCode.UNAVAILABLE, 503),
     (TransferError, grpc.StatusCode.UNAVAILABLE, 503),
+    (RankFailure, grpc.StatusCode.UNAVAILABLE, 503),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION, 500),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     (RequestCancelledError, grpc.StatusCode.CANCELLED, 499),
     (EngineDroppedRequest, grpc.StatusCode.CANCELLED, 499),
