@@ -192,8 +192,13 @@ class HandoffInbox:
         deadline = None if time_remaining_s is None else arrived + time_remaining_s
         slot.pulling = True
         try:
-            reason = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._pull, desc, blocks, after, deadline)
+            if self.loop.engine.kv_cache.is_cuda and desc.source_host_id == self.receiver.host:
+                # On one host a GPU pull is a copy and a checksum kernel, ~0.5 ms: done here, as
+                # the hop to the pull thread and back cost more (waiting for the GIL).
+                reason = self._pull(desc, blocks, after, deadline)
+            else:
+                reason = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._pull, desc, blocks, after, deadline)
         finally:
             slot.pulling = False
             slot.blocks = []  # from here on this call hands them on or frees them
