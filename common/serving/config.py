@@ -30,8 +30,8 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RegistryConfig:
-    url: str = opt("redis://127.0.0.1:6379/0", "Redis URL of the registry (service discovery, "
-                   "handoff records, prefix index)", flag="registry_url")
+    url: str = opt("redis://127.0.0.1:6379/0", "Redis URL of the registry (service discovery and "
+                   "the prefix index)", flag="registry_url")
     namespace: str = opt("splitserve", "key prefix shared by every service of one stack",
                          flag="registry_namespace")
 

@@ -4,7 +4,7 @@ Redis processes, and check that
 - every request completes or gets a clear status (nothing hangs),
 - the greedy outputs of every completed request, migrated or not, equal an undisturbed run's
   (the in-process engine's): no token lost, repeated or changed,
-- once the leases expire, no live service references a KV block and no handoff record is left,
+- once the leases expire, no live service references a KV block or waits for a delivery,
 - after a graceful stop the registry namespace is empty and no shared-memory pool is left.
 
 Real processes on loopback, the dummy tiny-llama model (seeded random weights: the same in every

@@ -4,7 +4,7 @@ the dummy tiny-llama model: vocabulary 512, context 2048).
 Whatever arrives (random bytes, truncated messages, out-of-range or non-finite parameters, empty
 and oversized prompts, unknown models, thousands of stop strings), the answer is a normal stream
 or INVALID_ARGUMENT (the documented status for a bad request), never anything else; the services
-stay up and, once it is all over, no KV block is referenced and no handoff record is left.
+stay up and, once it is all over, no KV block is referenced and no delivery is awaited.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def test_32_concurrent_streams_match_the_in_process_engine(stack, reference):
     used = {m[-1].timings.prefill_instance for m in answers}
     assert used == {"prefill-0", "prefill-1"}  # the load was spread
     assert {m[-1].timings.decode_instance for m in answers} >= {"decode-0", "decode-1"}
-    # Afterwards: no handoff records, no referenced blocks on any service.
+    # Afterwards: no pending delivery, no referenced blocks on any service.
     stack.wait_idle(timeout_s=2.0)
 
 
