@@ -77,7 +77,7 @@ class Frontend:
             raise InvalidRequestError(
                 f"model {model!r} is not served here; this gateway serves {self.model_name!r}")
 
-    def _tokenizer(self) -> Tokenizer:
+    def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidRequestError(
                 f"{self.model_name} has no tokenizer: send prompt_token_ids")
@@ -91,13 +91,13 @@ class Frontend:
                 raise InvalidRequestError(
                     f"messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        return self._tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+        return self.require_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
 
     def _encode(self, source: str | generation_pb2.ChatMessages) -> list[int]:
         if isinstance(source, str):
-            return self._tokenizer().encode(source)
+            return self.require_tokenizer().encode(source)
         # The template writes the special tokens itself.
-        return self._tokenizer().encode(self._render(source), add_special_tokens=False)
+        return self.require_tokenizer().encode(self._render(source), add_special_tokens=False)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

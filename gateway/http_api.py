@@ -30,6 +30,9 @@ from common.serving.proto_convert import FINISH_FROM_PB, params_to_pb
 from common.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     chat_body,
     chat_chunk,
     chat_logprobs,
@@ -39,9 +42,11 @@ from common.text.openai_protocol import (
     error_body,
     model_list,
     new_id,
+    tokenize_body,
     usage,
     usage_chunk,
 )
+from common.text.tools import ToolCallParser, template_takes_tools, with_tools_prompt
 from gateway.frontend import Frontend
 from protos.splitserve.v1 import generation_pb2, types_pb2
 
@@ -110,14 +115,9 @@ class OpenAIApi:
 
     def prepare(self, req: OpenAIRequest) -> tuple[generation_pb2.GenerateRequest, list[int]]:
         """The gRPC request for an OpenAI one, and the prompt's token ids."""
-        if req.model is not None and req.model != self.frontend.model_name:
-            raise HttpError(404, f"the model {req.model!r} does not exist; this server serves "
-                                 f"{self.frontend.model_name!r}", "model")
+        self._check_model(req.model)
         if isinstance(req, ChatCompletionRequest):
-            messages = generation_pb2.ChatMessages(messages=[
-                generation_pb2.ChatMessage(**m) for m in req.chat_messages()])
-            ids = list(self.frontend.tokenize(
-                generation_pb2.TokenizeRequest(messages=messages)).token_ids)
+            ids = self._chat_prompt(req)
             left = self.frontend.max_model_len - len(ids)
             default_max = left if self.frontend.max_model_len else COMPLETION_DEFAULT_MAX_TOKENS
             logprobs = req.requested_logprobs()
@@ -134,6 +134,61 @@ class OpenAIApi:
             model=self.frontend.model_name, prompt_token_ids=generation_pb2.TokenIds(ids=ids),
             params=params_to_pb(params))
         return request, ids
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The chat prompt's ids; tools go through the template where it renders them, else
+        into the system prompt (common/text/tools.py)."""
+        tools = req.prompt_tools()
+        tokenizer = self.frontend.tokenizer
+        if tools and tokenizer is not None and template_takes_tools(tokenizer.chat_templates):
+            text = tokenizer.apply_chat_template(
+                req.chat_messages(), tools=[t.model_dump(exclude_none=True) for t in tools])
+            return tokenizer.encode(text, add_special_tokens=False)
+        chat = with_tools_prompt(req.chat_messages(), tools) if tools else req.chat_messages()
+        messages = generation_pb2.ChatMessages(messages=[
+            generation_pb2.ChatMessage(**m) for m in chat])
+        return list(self.frontend.tokenize(
+            generation_pb2.TokenizeRequest(messages=messages)).token_ids)
+
+    async def tokenize(self, http: Request) -> Response:
+        """POST /tokenize (vLLM's shapes): a prompt, or chat messages through the template."""
+        try:
+            body = await _json_object(http)
+            model = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+            req = _validate(model, body)
+            self._check_model(req.model)
+            tokenizer = self.frontend.require_tokenizer()
+            if isinstance(req, TokenizeChatRequest):
+                text = tokenizer.apply_chat_template(
+                    [m.flat() for m in req.messages],
+                    add_generation_prompt=req.add_generation_prompt)
+            else:
+                text = req.prompt
+            ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+            strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return JSONResponse(tokenize_body(ids, self.frontend.max_model_len, strs))
+        except Exception as exc:
+            return HttpError.of(exc).response()
+
+    async def detokenize(self, http: Request) -> Response:
+        """POST /detokenize (vLLM's shapes): token ids back to text, special tokens kept."""
+        try:
+            req = _validate(DetokenizeRequest, await _json_object(http))
+            self._check_model(req.model)
+            tokenizer = self.frontend.require_tokenizer()
+            vocab = self.frontend.vocab_size or tokenizer.vocab_size
+            bad = [t for t in req.tokens if not 0 <= t < vocab]
+            if bad:
+                raise HttpError(400, f"tokens must be in [0, {vocab}); got {bad[0]}", "tokens")
+            return JSONResponse({"prompt": tokenizer.decode(req.tokens,
+                                                            skip_special_tokens=False)})
+        except Exception as exc:
+            return HttpError.of(exc).response()
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.frontend.model_name:
+            raise HttpError(404, f"the model {model!r} does not exist; this server serves "
+                                 f"{self.frontend.model_name!r}", "model")
 
     async def respond(self, http: Request, model: type[OpenAIRequest]) -> Response:
         try:
@@ -175,9 +230,15 @@ class OpenAIApi:
               pieces: list[generation_pb2.GenerateStreamResponse]) -> dict[str, Any]:
         final = pieces[-1]
         output = [t for p in pieces for t in p.token_ids]
+        text = "".join(p.text for p in pieces)
+        extra = {}
+        parser = _tool_parser(req)
+        if parser is not None:
+            content = parser.feed(text)
+            rest, calls = parser.finish()
+            text, extra = content + rest, {"tool_calls": calls}
         build = chat_body if isinstance(req, ChatCompletionRequest) else completion_body
-        return build(request_id=request_id, model=self.frontend.model_name,
-                     text="".join(p.text for p in pieces),
+        return build(request_id=request_id, model=self.frontend.model_name, text=text, **extra,
                      finish_reason=FINISH_FROM_PB[final.finish_reason], prompt_token_ids=ids,
                      output_token_ids=output, cached_tokens=final.usage.num_cached_tokens,
                      return_token_ids=req.return_token_ids,
@@ -191,6 +252,7 @@ class OpenAIApi:
         common = {"request_id": request_id, "model": self.frontend.model_name,
                   "created": int(time.time())}
         tokens = req.return_token_ids
+        parser = _tool_parser(req)
         try:
             if chat:
                 head = chat_chunk(**common, delta={"role": "assistant", "content": ""},
@@ -205,8 +267,23 @@ class OpenAIApi:
                 token_ids = list(piece.token_ids) if tokens else None
                 logprobs = self._logprobs(req, piece.logprobs)
                 if chat:
-                    chunk = chat_chunk(**common, delta={"content": piece.text} if piece.text
-                                       else {}, finish_reason=reason, token_ids=token_ids,
+                    text, calls = piece.text, []
+                    if parser is not None:
+                        text = parser.feed(text)
+                        if reason is not None:
+                            rest, calls = parser.finish()
+                            text += rest
+                    if calls:  # OpenAI's shape: content, then each call whole, then the reason
+                        if text:
+                            yield _event(chat_chunk(**common, delta={"content": text},
+                                                    finish_reason=None, token_ids=None))
+                            text = ""
+                        yield _event(chat_chunk(**common, delta={"tool_calls": [
+                            c.openai(index=i) for i, c in enumerate(calls)]},
+                            finish_reason=None, token_ids=None))
+                        reason = "tool_calls"
+                    chunk = chat_chunk(**common, delta={"content": text} if text else {},
+                                       finish_reason=reason, token_ids=token_ids,
                                        logprobs=logprobs)
                 else:
                     chunk = completion_chunk(**common, text=piece.text, finish_reason=reason,
@@ -232,17 +309,32 @@ class OpenAIApi:
         yield "data: [DONE]\n\n"
 
 
+def _tool_parser(req: OpenAIRequest) -> ToolCallParser | None:
+    """The tool-call parser of a chat request whose tools may be called (not tool_choice none)."""
+    if not isinstance(req, ChatCompletionRequest) or req.prompt_tools() is None:
+        return None
+    return ToolCallParser(req.tools or [], req.tool_mode() or "auto", req.named_tool())
+
+
 def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _parse(http: Request, model: type[BaseModel]) -> Any:
+    return _validate(model, await _json_object(http))
+
+
+async def _json_object(http: Request) -> dict[str, Any]:
     try:
         body = await http.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HttpError(400, f"the body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise HttpError(400, "the body must be a JSON object")
+    return body
+
+
+def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -304,6 +396,14 @@ def create_app(api: OpenAIApi, metrics: Callable[[], bytes] | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
         return await api.respond(http, ChatCompletionRequest)
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> Response:
+        return await api.tokenize(http)
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> Response:
+        return await api.detokenize(http)
 
     if metrics is not None:
         from prometheus_client import CONTENT_TYPE_LATEST

@@ -3,22 +3,93 @@
 Shared by `splitserve run-batch` and the gateway's HTTP API: a request body becomes a prompt plus
 SamplingParams, and engine results become OpenAI response bodies. vLLM's `return_token_ids`
 extension adds `token_ids` to each choice and `prompt_token_ids` to the response.
+
+Structured outputs come as OpenAI's `response_format` (`json_schema`, `json_object`; `text` is
+free text) or vLLM's `structured_outputs` (exactly one of `json`, `regex`, `choice`, `grammar`,
+`json_object`), on completions and chat alike; a request may use one of the two.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.engine.core.sampling_params import SamplingParams
+from common.engine.core.sampling_params import SamplingParams, StructuredOutput
 from common.errors import InvalidRequestError
+from common.text.tools import (
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    assistant_tool_calls_text,
+    forced_output,
+    tool_mode,
+)
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's name/description/strict are accepted and unused."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs` body field; exactly one constraint is set."""
+    model_config = ConfigDict(populate_by_name=True)
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def structured_output(response_format: ResponseFormat | None,
+                      structured_outputs: StructuredOutputsParams | None,
+                      ) -> StructuredOutput | None:
+    """The constraint a request asks for (None: free text); InvalidRequestError when it asks
+    for two, or names none."""
+    if response_format is not None and response_format.type != "text":
+        if structured_outputs is not None:
+            raise InvalidRequestError("set response_format or structured_outputs, not both")
+        if response_format.type == "json_object":
+            return StructuredOutput("json_object")
+        fmt = response_format.json_schema
+        if fmt is None or fmt.schema_ is None:
+            raise InvalidRequestError("response_format json_schema needs json_schema.schema")
+        return StructuredOutput("json", json.dumps(fmt.schema_))
+    if structured_outputs is None:
+        return None
+    so = structured_outputs
+    given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                               ("grammar", so.grammar), ("json_object", so.json_object or None))
+             if v is not None}
+    if len(given) != 1:
+        raise InvalidRequestError("structured_outputs takes exactly one of json, regex, choice, "
+                                  f"grammar, json_object; got {sorted(given) or 'none'}")
+    kind, value = next(iter(given.items()))
+    if kind == "json":
+        return StructuredOutput("json", value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(value))
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, value)
 
 
 class _Request(BaseModel):
@@ -45,6 +116,8 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -63,7 +136,11 @@ class _Request(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured=self.structured())
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint this request asks for (see the module docstring)."""
+        return structured_output(self.response_format, self.structured_outputs)
 
 
 class CompletionRequest(_Request):
@@ -96,6 +173,9 @@ class ChatMessage(BaseModel):
                     raise InvalidRequestError(f"unsupported content part {part.get('type')!r}")
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.role == "assistant" and calls:  # earlier calls, as the model wrote them
+            content = "\n".join(p for p in (content, assistant_tool_calls_text(calls)) if p)
         return {"role": self.role, "content": content or ""}
 
 
@@ -105,9 +185,33 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.flat() for m in self.messages]
+
+    def tool_mode(self) -> str | None:
+        """none / auto / required / named, None without tools (common/text/tools.py)."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    def named_tool(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def prompt_tools(self) -> list[Tool] | None:
+        """The tools the model is shown: none for tool_choice none."""
+        return self.tools if self.tool_mode() not in (None, "none") else None
+
+    def structured(self) -> StructuredOutput | None:
+        forced = forced_output(self.tools or [], self.tool_mode(), self.named_tool())
+        if forced is None:
+            return super().structured()
+        if super().structured() is not None:
+            raise InvalidRequestError("tool_choice required or a named function cannot be "
+                                      "combined with response_format or structured_outputs")
+        return forced
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -116,6 +220,36 @@ class ChatCompletionRequest(_Request):
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(logprobs, default_max_tokens)
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize body for text."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize body for chat messages (rendered with the model's chat template)."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body."""
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize_body(ids: list[int], max_model_len: int,
+                  token_strs: list[str | None] | None) -> dict[str, Any]:
+    """vLLM's /tokenize response: count, max_model_len, tokens and (when asked) token_strs."""
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": token_strs}
 
 
 def new_id(prefix: str) -> str:
@@ -162,9 +296,17 @@ def completion_body(*, text: str, finish_reason: str | None,
 
 
 def chat_body(*, text: str, finish_reason: str | None,
-              logprobs: dict[str, Any] | None = None, **envelope: Any) -> dict[str, Any]:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": logprobs, "finish_reason": finish_reason}
+              logprobs: dict[str, Any] | None = None,
+              tool_calls: list[ToolCall] | None = None, **envelope: Any) -> dict[str, Any]:
+    """With tool_calls: the message carries them (content None when no text came before them)
+    and finish_reason is "tool_calls"."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None,
+                   "tool_calls": [c.openai() for c in tool_calls]}
+        finish_reason = "tool_calls"
+    choice = {"index": 0, "message": message, "logprobs": logprobs,
+              "finish_reason": finish_reason}
     return _response_body("chat.completion", choice, **envelope)
 
 
