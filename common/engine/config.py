@@ -137,9 +137,8 @@ class ParallelConfig:
                                     "NCCL on CUDA), each holding 1/N of the heads, the MLP and "
                                     "the vocabulary; must divide the heads (KV heads are "
                                     "replicated above their count) and the vocabulary")
-    tp_timeout_s: float = opt(60.0, "timeout of every tensor-parallel collective and of the "
-                              "ranks' start-up rendezvous: a hung rank fails the engine after "
-                              "it")
+    tp_timeout_s: float = opt(60.0, "timeout of every tensor-parallel collective: a rank that "
+                              "hangs fails the engine after it (one that dies, at once)")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -135,7 +135,8 @@ class RankWorkers:
             self.procs.append(proc)
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}",
                              daemon=True).start()
-        try:
+        try:  # the group's timeout is the collectives': join once every rank is about to
+            self._replies("joining")
             self.group = self._until_failure(
                 lambda: RankGroup(store, 0, self.size, device, self.timeout_s))
         except BaseException:
@@ -188,6 +189,15 @@ class RankWorkers:
         """Each rank builds its runner with rank 0's pool size (the same block ids on every
         rank); returns when all are ready, or raises RankFailure with a rank's error."""
         self._send((num_blocks, max_model_len))
+        try:
+            self._replies("ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def _replies(self, expected: str) -> None:
+        """Waits (with no timeout: loading a model takes what it takes) until every rank has
+        sent `expected`, or one fails or exits (RankFailure with its error)."""
         for rank, conn in enumerate(self.conns, start=1):
             reply = None
             while reply is None:
@@ -195,11 +205,10 @@ class RankWorkers:
                     try:
                         reply = conn.recv()
                     except EOFError:
-                        reply = "it exited before it was ready"
+                        reply = "it exited"
                 elif self.failure is not None:
                     reply = f"it exited ({self.failure})"
-            if reply != "ready":
-                self.close()
+            if reply != expected:
                 raise RankFailure(f"tensor parallel rank {rank} failed to start: {reply}")
 
     def lead_step(self, step: StepInput, input_ids: torch.Tensor, logits: bool) -> None:
@@ -246,6 +255,7 @@ def rank_main(rank: int, port: int, conn: Connection) -> None:
         torch.manual_seed(config.model.seed)
         store = dist.TCPStore(_HOST, port, size, is_master=False,
                               timeout=datetime.timedelta(seconds=config.parallel.tp_timeout_s))
+        conn.send("joining")
         group = RankGroup(store, rank, size, device, config.parallel.tp_timeout_s)
         dtype = resolve_dtype(config, device)
         model, mc = load_model(config.model.name, dtype=dtype, device=device,
