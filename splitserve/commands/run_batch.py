@@ -173,7 +173,10 @@ def run(args: argparse.Namespace) -> int:
     raw_lines = [ln for ln in text.splitlines() if ln.strip()]
     start = time.monotonic()
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    results = BatchRunner(engine, progress=not args.no_progress).run(raw_lines)
+    try:
+        results = BatchRunner(engine, progress=not args.no_progress).run(raw_lines)
+    finally:
+        engine.close()  # the other tensor-parallel ranks, if any
     payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
     if args.output_file == "-":
         sys.stdout.write(payload)

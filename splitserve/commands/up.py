@@ -42,6 +42,7 @@ from common.flags import leaf, to_argv
 from common.serving.auth import AuthConfig
 from common.serving.tls import TlsConfig
 from gateway.config import GatewayConfig
+from splitserve.commands.service import tensor_parallel_refusal
 from splitserve.launch import RestartBudget, RestartPolicy, Supervisor, service_argv
 
 if TYPE_CHECKING:
@@ -99,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"restart policy: {e}", file=sys.stderr)
         return 2
     engine = EngineConfig.from_cli_args(args)
+    refusal = tensor_parallel_refusal(engine)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     tls, auth = TlsConfig.from_cli_args(args), AuthConfig.from_cli_args(args)
     redis = None
     if args.registry_url is None:
