@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -74,30 +75,45 @@ class RankGroup:
         except RuntimeError as e:
             raise RankFailure(f"tensor parallel group (rank {rank} of {size}): {e}") from e
         self.failure: str | None = None  # set on rank 0 when a rank exits
+        # Benchmarks (bench/tp_step.py): with `timed`, host seconds and calls per collective,
+        # waiting for the slowest rank included. Host time is the collective's on the CPU;
+        # on CUDA wait() returns before the device is done, so it measures only the launch.
+        self.timed = False
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _wait(self, work: dist.Work, what: str, start: float = 0.0) -> None:
         try:
             work.wait()
         except RuntimeError as e:
             raise RankFailure(f"tensor parallel {what} failed on rank {self.rank} of "
                               f"{self.size}: {self.failure or e}") from e
+        if self.timed:
+            self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - start
+            self.calls[what] = self.calls.get(what, 0) + 1
+
+    def _start(self) -> float:
+        return time.perf_counter() if self.timed else 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self._wait(self.pg.allreduce([x]), "all-reduce")
+        start = self._start()
+        self._wait(self.pg.allreduce([x]), "all-reduce", start)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         opts = dist.GatherOptions()
         opts.rootRank = 0
+        start = self._start()
         x = x.contiguous()
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
-        self._wait(self.pg.gather(parts, [x], opts), "gather")
+        self._wait(self.pg.gather(parts, [x], opts), "gather", start)
         return torch.cat(parts[0], dim=-1) if self.rank == 0 else None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait(self.pg.broadcast([x], opts), "broadcast")
+        start = self._start()
+        self._wait(self.pg.broadcast([x], opts), "broadcast", start)
         return x
 
 
