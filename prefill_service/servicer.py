@@ -37,6 +37,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.prefixes = prefixes
         self.metrics = metrics
         self._background: set[asyncio.Task] = set()
+        self.handing_off: set[str] = set()  # checksumming or delivering: they release the blocks
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext,
@@ -65,6 +66,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             m = final.metrics
             self.metrics.observe_prefilled(m)
             first_token = final.output_token_ids[len(carried)]
+            handoff = None
+            if not ends:  # started first: the checksum runs while the first token is written
+                handoff = self._spawn(self._hand_off(
+                    rid, final.held_block_ids, len(prompt) + len(carried), final.block_hashes,
+                    first_token, request.decode_address))
+                self.handing_off.add(rid)
+                handoff.add_done_callback(lambda _: self.handing_off.discard(rid))
+                delivering = True  # from here on the hand-off releases the blocks
             yield prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=first_token,
                 first_text=final.new_text,
@@ -74,25 +83,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 compute_ms=ms(m.first_token_time - m.first_scheduled_time),
                 instance_id=self.instance.instance_id,
                 first_logprobs=logprobs_to_pb(final.logprobs[0]) if final.logprobs else None)
-            if ends:
+            if handoff is None:
                 self._spawn(self.prefixes.add(final.block_hashes))
                 return
-            start = time.monotonic()
-            args = (rid, final.held_block_ids, len(prompt) + len(carried), final.block_hashes)
-            # On a GPU the checksum is one kernel and one small read (~0.2 ms): a hop to a worker
-            # thread and back cost more than that (2 ms in the services, waiting for the GIL).
-            desc = (self.source.describe(*args) if self.source.pool.is_cuda
-                    else await asyncio.to_thread(self.source.describe, *args))
-            delivering = True
-            described = time.monotonic()
-            accepted, _, _ = await self.deliveries.deliver(desc, first_token,
-                                                           request.decode_address)
-            log.debug("handoff %s: describe (checksum) %.2f ms, deliver %.2f ms", rid,
-                      1e3 * (described - start), 1e3 * (time.monotonic() - described))
+            accepted, deliver_ms = await asyncio.shield(handoff)
             # The prefix index only steers later requests: updated after the handoff.
             self._spawn(self.prefixes.add(final.block_hashes))
             yield prefill_pb2.PrefillResponse(request_id=rid, delivered=accepted,
-                                              deliver_ms=ms(time.monotonic() - start),
+                                              deliver_ms=deliver_ms,
                                               instance_id=self.instance.instance_id)
         finally:
             self.instance.num_inflight -= 1
@@ -102,7 +100,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Abort(self, request: types_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> types_pb2.AbortResponse:
         rid = request.request_id
-        if self.deliveries.delivering(rid):  # released when the delivery ends
+        if rid in self.handing_off:  # released when the delivery ends
             return types_pb2.AbortResponse(found=True)
         return types_pb2.AbortResponse(found=await asyncio.wrap_future(
             self.instance.loop.abort(rid)))
@@ -111,7 +109,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     context: grpc.aio.ServicerContext) -> types_pb2.InstanceStats:
         return await self.instance.stats()
 
-    def _spawn(self, coro) -> None:
+    async def _hand_off(self, rid: str, block_ids: list[int], num_tokens: int,
+                        block_hashes: list[int], first_token: int, decode_address: str,
+                        ) -> tuple[bool, float]:
+        """Checksum the held blocks and deliver them; (accepted, ms). Releases the blocks at its
+        end whatever happens (Deliveries does once the call is made)."""
+        start = time.monotonic()
+        args = (rid, block_ids, num_tokens, block_hashes)
+        try:
+            # On a GPU the checksum is one kernel and one small read (~0.2 ms): a hop to a
+            # worker thread and back cost more (2 ms in the services, waiting for the GIL).
+            desc = (self.source.describe(*args) if self.source.pool.is_cuda
+                    else await asyncio.to_thread(self.source.describe, *args))
+        except BaseException:
+            self.instance.loop.abort(rid)
+            raise
+        described = time.monotonic()
+        accepted, _, _ = await self.deliveries.deliver(desc, first_token, decode_address)
+        done = time.monotonic()
+        log.debug("handoff %s: describe (checksum) %.2f ms, deliver %.2f ms", rid,
+                  1e3 * (described - start), 1e3 * (done - described))
+        return accepted, ms(done - start)
+
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
