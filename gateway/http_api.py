@@ -9,6 +9,11 @@ OpenAI's error shape: a domain error (common/errors.py) with its `http_status`, 
 HTTP status of the gRPC status grpc_util.status_of gives it (an internal call's, a timeout's).
 
 A client that disconnects cancels its request, which the relay then aborts on every service.
+
+Chat requests with `tools` render them into the prompt and parse the output's tool calls
+(common/text/tools.py): whole bodies carry `tool_calls`, streams send any content first, then
+each call whole in one `delta.tool_calls` chunk, then the finish reason `tool_calls`.
+`/tokenize` and `/detokenize` answer from the gateway's own tokenizer (vLLM's shapes).
 """
 
 from __future__ import annotations
