@@ -139,6 +139,8 @@ class BatchRunner:
             status, message = line.error or (500, "request did not finish")
             return _error_result(line.custom_id, status, message)
         out, lps = final
+        if out.error is not None:  # e.g. a structured output's schema its parser refused
+            return _error_result(line.custom_id, out.error.http_status, out.error.message)
         req = line.request
         request_id = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         build = chat_body if isinstance(req, ChatCompletionRequest) else completion_body
