@@ -273,16 +273,16 @@ class Ours:
         prefill = [self.ttft(uniform(1, plen, 1, self.mc.vocab_size, seed=8 + i)[0][0],
                              f"pf{i}") for i in range(3)]
         e.add_request("held", prompt[0], SamplingParams(max_tokens=1, temperature=0.0,
-                                                         ignore_eos=True, hold_blocks=True))
+                                                         ignore_eos=True), hold_kv=True)
         held = None
         while e.has_unfinished():
             for o in e.step():
                 held = o.held_block_ids or held
-        dst = e.reserve_blocks(len(held))
+        dst = e.kv.reserve(len(held))
         nbytes = len(held) * self.runner.bytes_per_block
 
         def move() -> None:
-            e.import_kv(dst, e.export_kv(held))
+            e.kv.import_(dst, e.kv.export(held))
 
         move()
         if self.device.type == "cuda":
@@ -291,9 +291,9 @@ class Ours:
             t = time.perf_counter()
             move()
             ms = (time.perf_counter() - t) * 1e3
-        same = bool(torch.equal(e.export_kv(held), e.export_kv(dst)))
-        e.free_blocks(dst)
-        e.release_held("held")
+        same = bool(torch.equal(e.kv.export(held), e.kv.export(dst)))
+        e.kv.free(dst)
+        e.kv.release("held")
         return {"blocks": len(held), "bytes": nbytes, "export_import_ms": ms,
                 "prefill_ms": statistics.median(prefill),
                 "fraction_of_prefill": ms / statistics.median(prefill),

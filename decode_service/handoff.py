@@ -114,7 +114,7 @@ class HandoffInbox:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         try:
             blocks, after = await asyncio.wrap_future(
-                self.loop.call(lambda e: e.reserve_blocks_for_copy(num_blocks)))
+                self.loop.call(lambda e: e.kv.reserve_for_copy(num_blocks)))
         except BaseException:
             self._drop(slot)
             raise
@@ -170,7 +170,7 @@ class HandoffInbox:
             self._free(blocks)
 
     def _free(self, blocks: list[int]) -> None:
-        self.loop.call(lambda e: e.free_blocks(blocks))
+        self.loop.call(lambda e: e.kv.free(blocks))
 
     # ---- the Deliver call's side --------------------------------------------------------------
     async def deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,

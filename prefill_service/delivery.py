@@ -1,7 +1,7 @@
 """Delivering a prompt's KV to the decode service that waits for it (Decode.Deliver).
 
-Hold rule: a finished prompt's blocks are held (the engine's `held`, hold_blocks) from its last
-step until its Deliver call ends, and released then, whatever the answer: the decode side has
+Hold rule: a finished prompt's blocks are held (engine.kv.held, add_request's hold_kv) from its
+last step until its Deliver call ends, and released then, whatever the answer: the decode side has
 pulled and verified them (accepted), or will recompute (refused), or is gone. The call's deadline
 (`--handoff-lease-s`) is the lease: a stuck decode service keeps the blocks that long at most,
 and its pull must end before the deadline or it discards what it read (decode_service/handoff.py).

@@ -1,6 +1,7 @@
 """The Prefill gRPC service: a thin adapter from PrefillRequest to the engine and back.
 
-A prompt runs with the client's sampling settings but max_tokens=1 and hold_blocks=True. Its first
+A prompt runs with the client's sampling settings but max_tokens=1, its blocks held when it ends
+(hold_kv). Its first
 token goes out at once; unless it ends the request, its blocks are checksummed and delivered to
 the decode service named in the request, and released when that call ends (delivery.py).
 """
@@ -50,14 +51,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         params = params_from_pb(request.params)
         prompt = list(request.prompt_token_ids)
         carried = list(request.output_token_ids)  # a migrated request's delivered tokens
-        first_only = dataclasses.replace(params, max_tokens=len(carried) + 1, hold_blocks=True)
+        first_only = dataclasses.replace(params, max_tokens=len(carried) + 1)
         loop = self.instance.loop
         stream = AsyncOutputStream()
         delivering = False  # from here on the delivery releases the blocks
         self.instance.num_inflight += 1
         try:
             await asyncio.wrap_future(loop.submit(rid, prompt, first_only, stream,
-                                                  output_token_ids=carried))
+                                                  output_token_ids=carried, hold_kv=True))
             async for out in stream:
                 final = out
             if len(final.output_token_ids) == len(carried):

@@ -24,6 +24,7 @@ from common.engine.core.sampling_params import SamplingParams
 from common.engine.core.scheduler import Scheduler, SchedulerOutput
 from common.engine.core.sequence import FinishReason, Sequence
 from common.engine.cuda_runner import make_runner
+from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import KVAllocator, ModelRunner, PendingStep
 from common.engine.parallel import RankWorkers, threads_per_rank
 from common.engine.sampler import TokenLogprobs
@@ -44,7 +45,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(slots=True)
 class Prefilled:
     """A request whose first token was sampled upstream (by a prefill service). block_ids: the
-    blocks holding the prompt's KV (reserved with reserve_blocks and filled by the transport),
+    blocks holding the prompt's KV (reserved with kv.reserve and filled by the transport),
     or None when the KV could not be brought over and is recomputed here. Either way the first
     token is an output (stop strings, penalties, seeds, min/max tokens see it)."""
     block_ids: list[int] | None
@@ -162,10 +163,12 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        # Blocks outside any running sequence: held for a handoff, or reserved for one.
+        self.kv = KVConnector(self.block_manager, self.runner, self._cuda_index,
+                              self.step_in_flight_may_write_free_blocks, self._use_device)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.texts: dict[str, _Text] = {}
-        self.held: dict[str, list[int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
         # Structured outputs (common/engine/structured.py): grammars compile off this thread;
         # `wakeup` (set by the engine's driver, e.g. EngineLoop) is called when one is done.
@@ -218,19 +221,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prefilled: Prefilled | None = None, arrival_time: float | None = None,
-                    output_token_ids: Seq[int] = ()) -> None:
-        """output_token_ids: outputs generated and delivered before, elsewhere (a migrated
+                    output_token_ids: Seq[int] = (), hold_kv: bool = False) -> None:
+        """hold_kv: keep the request's blocks when it finishes, under its id in kv.held, until
+        kv.release (a prefill service hands them off). output_token_ids: outputs generated and delivered before, elsewhere (a migrated
         request's continuation). They count as outputs (max/min tokens, stop rules, penalties,
         seeded draws) and their KV is computed with the prompt's; prefilled's first token
         follows them, and prefilled.block_ids then hold the KV of the prompt and of them."""
-        if request_id in self.seqs or request_id in self.held:
+        if request_id in self.seqs or request_id in self.kv.held:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in output_token_ids):
             raise InvalidRequestError(f"output token ids must be in [0, {vocab})")
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                       arrival_time=arrival_time or time.monotonic())
+                       arrival_time=arrival_time or time.monotonic(), hold_kv=hold_kv)
         if params.structured is not None:
             seq.grammar = self._grammar_state(params)
         if self.tokenizer is not None:
@@ -302,7 +306,7 @@ class LLMEngine:
         self._compiling = waiting
 
     def abort(self, request_id: str) -> bool:
-        if self.release_held(request_id):
+        if self.kv.release(request_id):
             return True
         seq = self.seqs.pop(request_id, None)
         if seq is None:
@@ -323,22 +327,7 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    # ---- blocks across services -------------------------------------------------------------
-    def reserve_blocks(self, n: int) -> list[int]:
-        return self.block_manager.allocate_blocks(n)
-
-    def reserve_blocks_for_copy(self, n: int) -> tuple[list[int], torch.cuda.Event | None]:
-        """n fresh blocks (reserve_blocks) that work on another stream will write, e.g. a
-        handoff's imported KV, and the event on the engine's stream that work must wait for
-        first: None when it need not wait (always on CPU)."""
-        blocks = self.reserve_blocks(n)
-        if self._cuda_index is None or not self.step_in_flight_may_write_free_blocks():
-            return blocks, None
-        self._use_device()
-        event = torch.cuda.Event()
-        event.record()
-        return blocks, event
-
+    # ---- blocks across services (see kv_connector.py) ---------------------------------------
     def step_in_flight_may_write_free_blocks(self) -> bool:
         """Whether the step in flight (overlap scheduling) may still write blocks that are free.
 
@@ -350,24 +339,6 @@ class LLMEngine:
         blocks need not wait for the step."""
         return self._in_flight is not None and any(
             s.seq.is_finished for s in self._in_flight[0].scheduled)
-
-    def free_blocks(self, block_ids: list[int]) -> None:
-        self.block_manager.unref_blocks(block_ids)
-
-    def release_held(self, request_id: str) -> bool:
-        table = self.held.pop(request_id, None)
-        if table is None:
-            return False
-        self.block_manager.free(table)
-        return True
-
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        self._use_device()
-        return self.runner.export_kv(block_ids)
-
-    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        self._use_device()
-        self.runner.import_kv(block_ids, kv)
 
     def _use_device(self) -> None:
         """Make the engine's GPU the calling thread's current device: Triton launches and CUDA
@@ -453,7 +424,7 @@ class LLMEngine:
         token."""
         for row, seq in enumerate(pending.seqs):
             p = seq.params
-            if (seq.is_finished or p.hold_blocks or seq.grammar is not None
+            if (seq.is_finished or seq.hold_kv or seq.grammar is not None
                     or seq.num_output_tokens + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
                 continue
@@ -497,8 +468,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
-        if seq.params.hold_blocks and reason is not FinishReason.ABORT:
-            self.held[seq.request_id] = seq.block_table
+        if seq.hold_kv and reason is not FinishReason.ABORT:
+            self.kv.hold(seq.request_id, seq.block_table)
 
     def _forget(self, request_id: str) -> None:
         self.texts.pop(request_id, None)
@@ -522,7 +493,8 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time,
                                    seq.first_token_time, now if finished else None),
-            held_block_ids=list(self.held[seq.request_id]) if seq.request_id in self.held else None,
+            held_block_ids=(list(self.kv.held[seq.request_id]) if seq.request_id in self.kv.held
+                            else None),
             block_hashes=list(seq.block_hashes[:seq.num_prompt_tokens // self.config.cache.block_size]),
             logprobs=logprobs,
             text=text.text if text else "",
@@ -534,12 +506,13 @@ class LLMEngine:
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 ) -> list[RequestOutput]:
-        """Run prompts to completion (all submitted at once so they batch); final outputs in order."""
+                 hold_kv: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion (all submitted at once so they batch); final outputs in order
+        (hold_kv: see add_request)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, hold_kv=hold_kv)
         final: dict[str, RequestOutput] = {}
         logprobs: dict[str, list] = {rid: [] for rid in ids}
         while self.has_unfinished():

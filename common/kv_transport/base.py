@@ -1,7 +1,7 @@
 """KVTransport: moves a handoff's KV blocks from the source pool into blocks of a receiver's pool.
 
 Receiver rules:
-- The caller reserves dst_block_ids (engine.reserve_blocks) before pull() and owns them: when
+- The caller reserves dst_block_ids (engine.kv.reserve) before pull() and owns them: when
   pull() raises TransferError (unreachable source, timeout, geometry or checksum mismatch) the
   blocks hold garbage and the caller frees them (engine.free_blocks) and decides what to do with
   the request; the transport never frees or reserves anything.
@@ -68,7 +68,7 @@ class KVTransport(ABC):
         """Copy the source blocks desc.block_ids into dst_pool's dst_block_ids (same order) and
         verify the checksum; raises TransferError (see the module docstring). On a GPU the
         copy runs on the transfer stream (blocks.transfer_stream) after `after` (the event
-        engine.reserve_blocks_for_copy returned with the blocks, if any); it has completed when
+        engine.kv.reserve_for_copy returned with the blocks, if any); it has completed when
         pull() returns."""
         check_geometry(desc, dst_pool, dst_block_ids)
         info = desc.transports.get(self.name)

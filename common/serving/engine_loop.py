@@ -89,20 +89,20 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                sink: Sink, prefilled: Prefilled | None = None,
-               output_token_ids: list[int] | None = None) -> Future[None]:
+               output_token_ids: list[int] | None = None, hold_kv: bool = False) -> Future[None]:
         """Add a request; the future fails with the engine's InvalidRequestError if it refuses.
 
         With `prefilled`, its blocks pass to the engine: if the engine refuses the request, they
-        are freed here (the caller must not free them). output_token_ids: see
+        are freed here (the caller must not free them). output_token_ids, hold_kv: see
         LLMEngine.add_request."""
 
         def add(engine: LLMEngine) -> None:
             try:
                 engine.add_request(request_id, prompt_token_ids, params, prefilled,
-                                   output_token_ids=output_token_ids or ())
+                                   output_token_ids=output_token_ids or (), hold_kv=hold_kv)
             except BaseException:
                 if prefilled is not None and prefilled.block_ids is not None:
-                    engine.free_blocks(prefilled.block_ids)
+                    engine.kv.free(prefilled.block_ids)
                 raise
             self._sinks[request_id] = sink
 
@@ -150,7 +150,7 @@ class EngineLoop:
                 self.num_steps += 1
                 self._dispatch(outputs)
                 # Nothing ran and nothing came out: the waiting requests need blocks that only a
-                # command (abort, release_held, free_blocks) can free.
+                # command (abort, kv.release, kv.free) can free.
                 idle = not outputs and engine.num_running == 0
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -165,8 +165,7 @@ class EngineLoop:
     def _abort_all(self, make_exc: Callable[[str], BaseException]) -> None:
         for request_id in list(self.engine.seqs):
             self.engine.abort(request_id)
-        for request_id in list(self.engine.held):
-            self.engine.release_held(request_id)
+        self.engine.kv.release_all()
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             sink(make_exc(request_id))

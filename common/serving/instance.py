@@ -162,4 +162,4 @@ def engine_counts(engine: LLMEngine) -> dict[str, int]:
     return {"num_kv_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
             "num_used_blocks": bm.num_used_blocks, "num_cached_blocks": len(bm.cached),
             "num_running": engine.num_running, "num_waiting": engine.num_waiting,
-            "num_held_handoffs": len(engine.held)}
+            "num_held_handoffs": len(engine.kv.held)}

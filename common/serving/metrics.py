@@ -253,7 +253,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_running=engine.num_running, num_waiting=engine.num_waiting,
         kv_cache_usage=bm.usage(), prefix_cache_queries=bm.prefix_queries,
         prefix_cache_hits=bm.prefix_hits,
-        num_held_blocks=sum(len(table) for table in engine.held.values()), spec_decode=spec)
+        num_held_blocks=sum(len(table) for table in engine.kv.held.values()), spec_decode=spec)
 
 
 class _EngineCollector:

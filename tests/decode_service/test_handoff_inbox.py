@@ -59,7 +59,7 @@ def used(loop) -> int:
 
 
 def free(loop, blocks) -> None:
-    loop.call(lambda e: e.free_blocks(blocks)).result(timeout=5)
+    loop.call(lambda e: e.kv.free(blocks)).result(timeout=5)
 
 
 @pytest.mark.parametrize("order", ["decode call first", "delivery first"])

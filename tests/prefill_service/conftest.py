@@ -41,7 +41,7 @@ def loop(engine: LLMEngine) -> Iterator[EngineLoop]:
 
     def accounts(e: LLMEngine) -> tuple[int, dict]:
         e.block_manager.check_invariants()
-        return e.block_manager.num_free_blocks, dict(e.held)
+        return e.block_manager.num_free_blocks, dict(e.kv.held)
 
     try:
         assert loop.call(accounts).result(timeout=10) == (NUM_BLOCKS, {})
@@ -57,12 +57,12 @@ def prompt(first: int, n: int) -> list[int]:
 @pytest.fixture
 def prefill(loop: EngineLoop) -> Callable[..., RequestOutput]:
     """prefill(request_id, token_ids, hold=True): run a prompt as the Prefill servicer does (one
-    token, greedy, with hold_blocks) and return its final output."""
+    token, greedy, its blocks held) and return its final output."""
 
     def run(request_id: str, token_ids: list[int], hold: bool = True) -> RequestOutput:
         sink: queue.SimpleQueue = queue.SimpleQueue()
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, hold_blocks=hold)
-        loop.submit(request_id, token_ids, params, sink.put).result(timeout=10)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        loop.submit(request_id, token_ids, params, sink.put, hold_kv=hold).result(timeout=10)
         while True:
             out = sink.get(timeout=30)
             if isinstance(out, BaseException):

@@ -58,7 +58,7 @@ def prefill_metrics(engine: LLMEngine) -> PrefillMetrics:
 
 
 def held(engine: LLMEngine) -> dict:
-    return dict(engine.held)
+    return dict(engine.kv.held)
 
 
 def test_accepted_delivery_moves_the_kv_and_releases_the_hold(engine, loop, prefill,
@@ -88,7 +88,7 @@ def test_accepted_delivery_moves_the_kv_and_releases_the_hold(engine, loop, pref
         # last block's unwritten tail is whatever the pool held, NaNs included)
         assert torch.equal(decode_engine.kv_cache[:, :, d].view(torch.int32),
                            engine.kv_cache[:, :, s].view(torch.int32))
-    decode_loop.call(lambda e: e.free_blocks(taken.block_ids)).result(timeout=5)
+    decode_loop.call(lambda e: e.kv.free(taken.block_ids)).result(timeout=5)
     source.close()
 
 
@@ -136,5 +136,5 @@ def test_a_cancelled_caller_leaves_the_delivery_to_end_before_the_release(engine
 
     taken = asyncio.run(scenario())
     assert len(taken.block_ids) == 2
-    decode_loop.call(lambda e: e.free_blocks(taken.block_ids)).result(timeout=5)
+    decode_loop.call(lambda e: e.kv.free(taken.block_ids)).result(timeout=5)
     source.close()

@@ -104,7 +104,7 @@ def test_sync_after_add_sends_only_evictions(registered, loop, prefill):
         await prefixes.sync()
         assert prefix_writes(registered) == writes
         assert index(registered) == set(out.block_hashes)
-        assert await on_engine(loop, lambda e: e.release_held("held")) is True
+        assert await on_engine(loop, lambda e: e.kv.release("held")) is True
         await prefixes.sync()  # freed, not evicted: still cached, still indexed
         assert index(registered) == set(out.block_hashes) == await cached(loop)
         assert prefix_writes(registered) == writes

@@ -64,8 +64,6 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Keep the KV blocks after the request finishes (prefill service: they await a handoff).
-    hold_blocks: bool = False
     # Opt out of speculative decoding (when the engine has it on). Requests with penalties or
     # logprobs never speculate: see common/spec_decode/speculator.py.
     speculative: bool = True

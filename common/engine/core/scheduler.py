@@ -114,7 +114,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if not seq.params.hold_blocks or reason is FinishReason.ABORT:
+        if not seq.hold_kv or reason is FinishReason.ABORT:
             self.bm.free(seq.block_table)
 
     # ---- scheduling -------------------------------------------------------------------------

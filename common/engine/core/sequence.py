@@ -57,6 +57,8 @@ class Sequence:
     # Structured output: the request's matcher (common.engine.structured.GrammarState), or None.
     # The scheduler reads only its `ready` (False while the grammar compiles on another thread).
     grammar: Any = None
+    # Keep the blocks when it finishes (a prefill service hands them off: engine.kv.held).
+    hold_kv: bool = False
 
     @property
     def is_ready(self) -> bool:

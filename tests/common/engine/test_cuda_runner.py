@@ -87,9 +87,9 @@ def test_cpu_oversized_step_falls_back(tmp_path):
     # Give the runner a third sequence mid-flight: start two, then add a prefilled third.
     source = _engine(ModelRunner, tmp_path)
     first = source.generate([prompts[2]], [SamplingParams(max_tokens=1, temperature=0.0,
-                                                          hold_blocks=True, ignore_eos=True)])[0]
-    blocks = engine.reserve_blocks(len(first.held_block_ids))
-    engine.import_kv(blocks, source.export_kv(first.held_block_ids))
+                                                          ignore_eos=True)], hold_kv=True)[0]
+    blocks = engine.kv.reserve(len(first.held_block_ids))
+    engine.kv.import_(blocks, source.kv.export(first.held_block_ids))
     for i in range(2):
         engine.add_request(f"r{i}", prompts[i], params[i])
     engine.step()  # both prefill (eager)

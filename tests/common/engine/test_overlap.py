@@ -124,9 +124,9 @@ def test_a_copy_waits_for_the_step_in_flight_only_when_it_may_write_free_blocks(
     engine.add_request("long", [6] * 20, params)
     engine.step()  # both prefills in flight, nobody has ended
     assert not engine.step_in_flight_may_write_free_blocks()
-    blocks, after = engine.reserve_blocks_for_copy(2)
+    blocks, after = engine.kv.reserve_for_copy(2)
     assert len(blocks) == 2 and after is None  # on CPU never an event
-    engine.free_blocks(blocks)
+    engine.kv.free(blocks)
     engine.step()  # "short" ends with the prefill's token, "long" decodes in the launched step
     assert engine.seqs.get("short") is None
     assert not engine.step_in_flight_may_write_free_blocks()  # "short" had no row in it

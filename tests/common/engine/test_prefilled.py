@@ -25,8 +25,8 @@ def engines(model_cache_dir):
 
 
 def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
-        prefilled: Prefilled | None = None):
-    engine.add_request(rid, prompt, params, prefilled=prefilled)
+        prefilled: Prefilled | None = None, hold_kv: bool = False):
+    engine.add_request(rid, prompt, params, prefilled=prefilled, hold_kv=hold_kv)
     final, text = None, ""
     while engine.has_unfinished():
         for out in engine.step():
@@ -46,12 +46,12 @@ def test_continues_like_one_engine(engines, handed_over: bool, sampling: dict):
     first = whole.output_token_ids[0]
     blocks = None
     if handed_over:
-        held, _ = run(upstream, "held", prompt, SamplingParams(
-            max_tokens=1, hold_blocks=True, **sampling))
+        held, _ = run(upstream, "held", prompt, SamplingParams(max_tokens=1, **sampling),
+                      hold_kv=True)
         assert held.output_token_ids == [first]
-        blocks = here.reserve_blocks(len(held.held_block_ids))
-        here.import_kv(blocks, upstream.export_kv(held.held_block_ids))
-        upstream.release_held("held")
+        blocks = here.kv.reserve(len(held.held_block_ids))
+        here.kv.import_(blocks, upstream.kv.export(held.held_block_ids))
+        upstream.kv.release("held")
     got, _ = run(here, "cont", prompt, SamplingParams(max_tokens=12, **sampling),
                  Prefilled(blocks, first))
     assert got.output_token_ids == whole.output_token_ids
@@ -79,7 +79,7 @@ def test_first_token_that_ends_the_request(engines):
     _, here = engines
     prompt = here.tokenizer.encode("Hello")
     eos = here.eos_token_ids[0]
-    for blocks in (None, here.reserve_blocks(1)):
+    for blocks in (None, here.kv.reserve(1)):
         here.add_request("ends", prompt, SamplingParams(max_tokens=5, temperature=0.0),
                          prefilled=Prefilled(blocks, eos))
         outs = here.step()

@@ -107,15 +107,15 @@ def test_calls_run_on_the_loop_thread_and_idle_loop_sleeps(loop):
     assert loop.num_steps == steps  # no stepping (and no spinning) without requests
 
 
-def test_hold_blocks_then_release(loop, prompts):
+def test_hold_kv_then_release(loop, prompts):
     sink = queue.SimpleQueue()
-    params = SamplingParams(max_tokens=1, temperature=0.0, hold_blocks=True)
-    loop.submit("held", prompts[2], params, sink.put).result(timeout=10)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    loop.submit("held", prompts[2], params, sink.put, hold_kv=True).result(timeout=10)
     (out,) = drain(sink)
     assert out.held_block_ids and len(out.held_block_ids) == -(-len(prompts[2]) // 4)
     used = loop.call(lambda e: e.block_manager.num_used_blocks).result(timeout=10)
     assert used == len(out.held_block_ids)
-    assert loop.call(lambda e: e.release_held("held")).result(timeout=10) is True
+    assert loop.call(lambda e: e.kv.release("held")).result(timeout=10) is True
 
 
 def test_stop_aborts_what_is_in_flight(engine, prompts):

@@ -23,7 +23,7 @@ def test_round_trip(spec, field):
     back = params_from_pb(pb)
     assert back.structured == spec and back.speculative is False
     # the prefill service's overrides keep it
-    assert params_from_pb(pb, max_tokens=1, hold_blocks=True).structured == spec
+    assert params_from_pb(pb, max_tokens=1, ignore_eos=True).structured == spec
 
 
 def test_unset_and_refused():

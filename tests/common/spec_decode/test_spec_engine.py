@@ -179,12 +179,12 @@ def test_handoff_decode_side_speculates_from_imported_kv(plain: list[list[int]],
     from common.engine.engine import Prefilled
     prefill, decode = make(), make(**spec)
     for i, prompt in enumerate(PROMPTS):
-        first = prefill.generate([prompt], dataclasses.replace(GREEDY, max_tokens=1,
-                                                               hold_blocks=True))[0]
+        first = prefill.generate([prompt], dataclasses.replace(GREEDY, max_tokens=1),
+                                 hold_kv=True)[0]
         held = first.held_block_ids
-        blocks = decode.reserve_blocks(len(held))
-        decode.import_kv(blocks, prefill.export_kv(held))
-        prefill.release_held(first.request_id)
+        blocks = decode.kv.reserve(len(held))
+        decode.kv.import_(blocks, prefill.kv.export(held))
+        prefill.kv.release(first.request_id)
         decode.add_request(f"h{i}", prompt, GREEDY,
                            prefilled=Prefilled(blocks, first.output_token_ids[0]))
     outs: dict[str, list[int]] = {}

@@ -1,0 +1,94 @@
+"""KVConnector: the engine's side of a KV handoff, i.e. the blocks that live outside any running
+sequence while their KV moves between services.
+
+    prefill side:  add_request(..., hold_kv=True) -> the prompt finishes -> held[request_id]
+                   -> the KV is read out (a transport, export) -> release(request_id)
+    decode side:   reserve_for_copy(n) -> (blocks, event) -> a transport writes them (import)
+                   -> add_request(Prefilled(blocks)) hands them to a sequence, or free(blocks)
+
+Ownership: a held block belongs to its request until release(); a reserved block belongs to the
+caller of reserve() until it hands it to the engine (Prefilled) or frees it. Neither is touched by
+the engine's steps meanwhile: a held block's sequence has finished, and a reserved block belongs
+to no sequence.
+
+Thread rule: every method runs on the engine's thread (services call through EngineLoop.call),
+except reads of `pool`, the KV pool tensor itself, which transfer threads may read (held blocks)
+and write (reserved blocks) while the engine steps. A copy into reserved blocks on a GPU first
+waits for the event reserve_for_copy() returned, if any (the step in flight may still write
+blocks that were free when it was launched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from common.engine.core.block_manager import BlockManager
+
+
+class KVConnector:
+    def __init__(self, block_manager: BlockManager, runner, cuda_index: int | None,
+                 step_in_flight_may_write_free_blocks: Callable[[], bool],
+                 use_device: Callable[[], None]):
+        """runner: the model runner (its kv_cache, export_kv, import_kv). cuda_index: the
+        engine's GPU, None on a CPU."""
+        self.block_manager = block_manager
+        self.runner = runner
+        self._cuda_index = cuda_index
+        self._may_write_free = step_in_flight_may_write_free_blocks
+        self._use_device = use_device
+        self.held: dict[str, list[int]] = {}
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The KV pool, [layers, 2, blocks, block_size, kv_heads, head_dim] (see the thread
+        rule)."""
+        return self.runner.kv_cache
+
+    # ---- the prefill side ------------------------------------------------------------------
+    def hold(self, request_id: str, block_table: list[int]) -> None:
+        """A finished request's blocks stay allocated under its id (engine, at finish)."""
+        self.held[request_id] = block_table
+
+    def release(self, request_id: str) -> bool:
+        """Free a request's held blocks; False if it holds none."""
+        table = self.held.pop(request_id, None)
+        if table is None:
+            return False
+        self.block_manager.free(table)
+        return True
+
+    def release_all(self) -> None:
+        for request_id in list(self.held):
+            self.release(request_id)
+
+    def export(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        self._use_device()
+        return self.runner.export_kv(block_ids)
+
+    # ---- the decode side -------------------------------------------------------------------
+    def reserve(self, n: int) -> list[int]:
+        """n fresh blocks that belong to no sequence (NoFreeBlocksError if the pool lacks them)."""
+        return self.block_manager.allocate_blocks(n)
+
+    def reserve_for_copy(self, n: int) -> tuple[list[int], torch.cuda.Event | None]:
+        """reserve(n), and the event on the engine's stream that work on another stream writing
+        them must wait for first: None when it need not wait (always on a CPU)."""
+        blocks = self.reserve(n)
+        if self._cuda_index is None or not self._may_write_free():
+            return blocks, None
+        self._use_device()
+        event = torch.cuda.Event()
+        event.record()
+        return blocks, event
+
+    def free(self, block_ids: list[int]) -> None:
+        """Give back reserved blocks."""
+        self.block_manager.unref_blocks(block_ids)
+
+    def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write kv, shaped as export() returns it, into reserved blocks."""
+        self._use_device()
+        self.runner.import_kv(block_ids, kv)
