@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -135,4 +137,35 @@ def test_vanished_prefill_frees_the_reservation(setup):
     _, loop, inbox, _, _ = setup
     with pytest.raises(PeerGoneError, match="prefill-9 left the registry"):
         asyncio.run(inbox.take("orphan", 5, "prefill-9"))
+    assert used(loop) == 0 and not inbox.slots
+
+
+def test_decode_call_cancelled_during_the_pull_frees_the_blocks_after_it(setup):
+    """The pull thread is still writing when the call leaves: the blocks are freed only once it
+    is done, and the delivery is refused (the prefill side then releases its own)."""
+    _, loop, inbox, source, _ = setup
+    receiver_pull = inbox.receiver.pull
+    pulling = threading.Event()
+
+    def slow_pull(*args, **kwargs):  # the real pull, after a pause in which the call leaves
+        pulling.set()
+        time.sleep(0.3)
+        return receiver_pull(*args, **kwargs)
+
+    inbox.receiver.pull = slow_pull
+
+    async def scenario():
+        take = asyncio.create_task(inbox.take("mid", 3, PREFILL))
+        deliver = asyncio.create_task(inbox.deliver("mid", describe(source, "mid", [4, 5, 6]),
+                                                    9, 10.0))
+        await asyncio.to_thread(pulling.wait, 5)
+        take.cancel()
+        await asyncio.gather(take, return_exceptions=True)
+        assert used(loop) == 3  # still being written: not freed under the pull's feet
+        accepted, reason = await deliver
+        await asyncio.sleep(0.05)
+        return accepted, reason
+
+    accepted, reason = asyncio.run(scenario())
+    assert not accepted and "ended during the pull" in reason
     assert used(loop) == 0 and not inbox.slots
