@@ -19,9 +19,12 @@ of rank 0 sees it exit, so the next step, or the one in progress, raises RankFai
 and the engine never steps again. A rank whose pipe closes (rank 0 gone) exits; close() stops
 them all.
 
-CUDA graphs: RankGroup.all_reduce is in place on the tensor it is given, on the current stream,
-with no host sync and no allocation (NCCL), which is what CUDA graph capture needs: a graph
-captured on every rank around the same forward records the NCCL all-reduces and replays them.
+CUDA graphs: RankGroup.all_reduce is in place on the tensor it is given, allocates nothing and
+never syncs the host (ProcessGroupNCCL orders its stream after the current one by events, and
+wait() only makes the current stream wait for it), which is what CUDA graph capture needs: after
+one eager step, a graph captured on every rank around the same forward records the NCCL
+all-reduces and replays them (the logits gather allocates its parts, so a captured step would
+gather into persistent buffers).
 Today TP steps on CUDA run eagerly (LLMEngine uses the plain ModelRunner when the TP size is
 above 1): graphs need the other ranks to replay the same graph for each step, i.e. a
 CudaGraphRunner on every rank choosing its bucket from the StepInput it receives (the choice is
