@@ -106,12 +106,15 @@ class HandoffInbox:
     # ---- the Decode call's side ---------------------------------------------------------------
     async def take(self, request_id: str, num_blocks: int, prefill_instance_id: str) -> Taken:
         """Reserve num_blocks, wait for the delivery, and return what it brought (the caller
-        owns Taken.block_ids). Raises ServiceUnavailableError when the prefill instance leaves
-        the registry first; cancelling frees the reservation."""
+        owns Taken.block_ids). Raises PeerGoneError when the prefill instance leaves the registry
+        first; cancelling frees the reservation."""
         start = time.monotonic()
         slot = self._slot(request_id)
         if slot.reserved.done():
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        if slot.delivered.done():  # the delivery came first and gave up waiting: recompute
+            self.slots.pop(request_id, None)
+            return slot.delivered.result()
         try:
             blocks, after = await asyncio.wrap_future(
                 self.loop.call(lambda e: e.kv.reserve_for_copy(num_blocks)))
@@ -133,6 +136,9 @@ class HandoffInbox:
             self._drop(slot)
             raise
         self.slots.pop(request_id, None)
+        if slot.blocks:  # reserved, never pulled into (the delivery gave up waiting for them)
+            self._free(slot.blocks)
+            slot.blocks = []
         taken.reserve_ms = reserve_ms
         return taken
 
@@ -162,10 +168,10 @@ class HandoffInbox:
             del self.slots[slot.request_id]
         if slot.pulling:
             return
-        if slot.delivered.done():  # delivered, not yet taken
-            blocks = slot.delivered.result().block_ids or []
-        else:
-            blocks, slot.blocks = slot.blocks, []
+        # Reserved and not pulled into, and (disjoint) delivered and not yet taken.
+        blocks, slot.blocks = slot.blocks, []
+        if slot.delivered.done():
+            blocks += slot.delivered.result().block_ids or []
         if blocks:
             self._free(blocks)
 
@@ -183,10 +189,24 @@ class HandoffInbox:
         slot = self._slot(request_id)
         try:
             blocks, after = await asyncio.wait_for(asyncio.shield(slot.reserved), self.wait_s)
-        except (TimeoutError, asyncio.CancelledError):
-            if self.slots.get(request_id) is slot and not slot.reserved.done():
-                del self.slots[request_id]  # nobody came for it
-            raise HandoffNotFoundError(f"no Decode call waits for request {request_id!r}") from None
+        except asyncio.CancelledError:
+            if not slot.reserved.cancelled():
+                raise  # this call was cancelled
+            raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV"
+                                       ) from None
+        except TimeoutError:
+            # No reservation in time: the Decode call (if it comes, or is still reserving)
+            # recomputes the prompt; the prefill side releases its blocks.
+            if not slot.delivered.done():
+                slot.delivered.set_result(Taken(None, first_token_id, 0.0, 0.0,
+                                                f"the delivery waited {self.wait_s} s for "
+                                                "the blocks to be reserved"))
+            if not slot.reserved.done():  # forget it if no Decode call ever comes
+                asyncio.get_running_loop().call_later(
+                    60 * self.wait_s, lambda: self.slots.pop(request_id, None)
+                    if self.slots.get(request_id) is slot and not slot.reserved.done() else None)
+            raise HandoffNotFoundError(f"no Decode call waits for request {request_id!r}"
+                                       ) from None
         if slot.delivered.done() or slot.ended:
             raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
         deadline = None if time_remaining_s is None else arrived + time_remaining_s

@@ -130,7 +130,8 @@ def test_delivery_without_a_decode_call_is_refused_after_the_wait(setup):
     _, _, inbox, source, _ = setup
     with pytest.raises(HandoffNotFoundError, match="no Decode call waits"):
         asyncio.run(inbox.deliver("nobody", describe(source, "nobody", [1]), 1, 10.0))
-    assert not inbox.slots
+    # Kept a while, no blocks reserved, so that a late Decode call recomputes (the next test).
+    assert list(inbox.slots) == ["nobody"] and not inbox.pending
 
 
 def test_vanished_prefill_frees_the_reservation(setup):
@@ -169,3 +170,18 @@ def test_decode_call_cancelled_during_the_pull_frees_the_blocks_after_it(setup):
     accepted, reason = asyncio.run(scenario())
     assert not accepted and "ended during the pull" in reason
     assert used(loop) == 0 and not inbox.slots
+
+
+def test_a_decode_call_later_than_the_delivery_wait_recomputes(setup):
+    """The delivery gives up after wait_s (the prefill side then releases its blocks); the
+    Decode call that comes after it recomputes the prompt instead of waiting for a delivery."""
+    _, loop, inbox, source, _ = setup
+
+    async def scenario():
+        with pytest.raises(HandoffNotFoundError):
+            await inbox.deliver("late", describe(source, "late", [1, 2]), 3, 10.0)
+        return await asyncio.wait_for(inbox.take("late", 2, PREFILL), 2)
+
+    taken = asyncio.run(scenario())
+    assert (taken.block_ids, taken.first_token_id) == (None, 3)
+    assert "waited" in taken.failure and used(loop) == 0 and not inbox.slots
