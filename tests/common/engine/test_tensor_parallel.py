@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -211,3 +213,36 @@ def test_a_rank_that_hangs_fails_the_engine_after_the_timeout(model_cache_dir):
         os.kill(rank1.pid, signal.SIGCONT)
         engine.close()
     assert rank1.poll() is not None
+
+
+def test_ranks_exit_when_rank_0_is_killed(model_cache_dir, tmp_path):
+    """Rank 0 SIGKILLed (no close()): the other ranks see their pipe close and exit."""
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from common.engine.config import EngineConfig\n"
+        "from common.engine.engine import LLMEngine\n"
+        "from common.flags import build\n"
+        f"e = LLMEngine(build(EngineConfig, model={TINY!r}, tensor_parallel_size=2, "
+        f"num_kv_blocks=16, cpu_threads=1, model_cache_dir={str(model_cache_dir)!r}))\n"
+        "print(e.ranks.procs[0].pid, flush=True)\n"
+        "time.sleep(600)\n")
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             cwd=os.getcwd())
+    try:
+        rank1 = int(rank0.stdout.readline())
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank1, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{rank1}/stat") as f:
+            if f.read().split(") ")[-1].startswith("Z"):  # exited, not yet reaped
+                return
+        time.sleep(0.2)
+    os.kill(rank1, signal.SIGKILL)
+    pytest.fail("rank 1 outlived rank 0 by 20 s")
