@@ -89,14 +89,45 @@ def mask_cost(cache: GrammarCache, tokenizer: Tokenizer, batch: int, device: str
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def mask_only(tokenizer_dir: Path, device: str) -> dict[int, float]:
+def sampler_cost(cache: GrammarCache, tokenizer: Tokenizer, batch: int, device: str,
+                 steps: int = 30) -> dict[str, float]:
+    """Microseconds per Sampler call (greedy) over `batch` rows, all constrained or none,
+    the two timed in alternation so that other load on the box falls on both alike."""
+    from common.engine.core.sequence import Sequence
+    from common.engine.sampler import Sampler
+
+    future = cache.get(StructuredOutput("json", json.dumps(SCHEMAS[0])))
+    future.result()
+    head = tokenizer.encode('{"name": "', add_special_tokens=False)
+    plain = [Sequence(f"p{i}", [1], SamplingParams(temperature=0.0)) for i in range(batch)]
+    constrained = [Sequence(f"c{i}", [1], SamplingParams(temperature=0.0)) for i in range(batch)]
+    for seq in constrained:
+        seq.grammar = GrammarState(future, tokenizer.eos_token_ids)
+        seq.grammar.activate(head)
+    sampler = Sampler()
+    logits = torch.randn(batch, cache.vocab_size, device=device)
+    total = {"unconstrained": 0.0, "json_schema": 0.0}
+    for i in range(steps + 2):
+        for mode, seqs in (("unconstrained", plain), ("json_schema", constrained)):
+            start = time.perf_counter()
+            sampler(logits, seqs)  # waits for the tokens: the step's one sync
+            if i >= 2:
+                total[mode] += time.perf_counter() - start
+    return {mode: t / steps * 1e6 for mode, t in total.items()}
+
+
+def mask_only(tokenizer_dir: Path, device: str) -> dict[str, dict]:
     """The mask's cost alone (no model): for a GPU box without the engine's dependencies."""
     tok = Tokenizer.from_dir(tokenizer_dir)
     cache = GrammarCache(tok, 49152, tok.eos_token_ids)
     masks = {b: mask_cost(cache, tok, b, device) for b in (1, 32, 256)}
+    samplers = {b: sampler_cost(cache, tok, b, device) for b in (1, 32, 256)}
     print(f"mask per step (fill + apply, {device}): "
           + ", ".join(f"batch {b}: {us:.0f} us" for b, us in masks.items()))
-    return masks
+    for b, us in samplers.items():
+        print(f"sampler per step, batch {b} ({device}): unconstrained {us['unconstrained']:.0f} "
+              f"us, json_schema {us['json_schema']:.0f} us")
+    return {"mask_us_per_step": masks, "sampler_us_per_step": samplers}
 
 
 def main() -> None:
@@ -111,10 +142,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="for --mask-only: cpu or cuda")
     args = ap.parse_args()
     if args.mask_only is not None:
-        masks = mask_only(args.mask_only, args.device)
+        costs = mask_only(args.mask_only, args.device)
         if args.out:
             args.out.write_text(json.dumps({"date": date.today().isoformat(),
-                                            "device": args.device, "mask_us_per_step": masks,
+                                            "device": args.device, **costs,
                                             "gpu": torch.cuda.get_device_name()
                                             if args.device == "cuda" else None}, indent=2))
         return

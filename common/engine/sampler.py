@@ -87,6 +87,7 @@ class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self.masker = TokenMasker()
+        self._work: torch.Tensor | None = None  # see _working_copy
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's generator; unknown ids are ignored."""
@@ -114,7 +115,7 @@ class Sampler:
             # computes with them; a plain greedy batch takes their argmax as it is (upcasting
             # keeps the order, so the tokens are the same).
             logits = logits.float()
-        work = logits.clone() if masked or penalised or constrained else logits
+        work = self._working_copy(logits) if masked or penalised or constrained else logits
         if constrained:
             self.masker.apply(work, constrained, [seqs[i].grammar for i in constrained])
         if masked:
@@ -123,6 +124,19 @@ class Sampler:
             _apply_penalties(work, [seqs[i] for i in penalised], penalised, previous)
         tokens = self._pick_tokens(work, seqs)
         return _collect(logits, tokens, seqs)
+
+    def _working_copy(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits copied into memory kept across calls (grown as needed), which masks and
+        penalties then change in place while the raw logits stay for logprobs. A fresh copy
+        each step page-faults its memory in: 7 ms for one 49k-vocab row on the 2-core CPU box,
+        against 0.2 ms for the whole greedy sample."""
+        n = logits.numel()
+        buf = self._work
+        if buf is None or buf.numel() < n or buf.device != logits.device or (
+                buf.dtype != logits.dtype):
+            grown = max(n, 2 * buf.numel()) if buf is not None and buf.dtype == logits.dtype else n
+            buf = self._work = torch.empty(grown, dtype=logits.dtype, device=logits.device)
+        return buf[:n].view(logits.shape).copy_(logits)
 
     def _pick_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
