@@ -17,7 +17,8 @@ N = 1: two engines, one core each, either way. On a GPU host pass --device cuda:
 pairs (--devices) to put the two engines of either stack on two GPUs.
 
 Poisson arrivals at each rate (splitserve.loadgen), random prompts of --input-len tokens and
---output-len output tokens, greedy, EOS ignored. A request meets the SLO when its TTFT is at most
+--output-len output tokens (new prompts at every rate, so no prefix-cache hits), greedy, EOS
+ignored. A request meets the SLO when its TTFT is at most
 --slo-ttft-ms and its TPOT at most --slo-tpot-ms; SLO attainment is the fraction that meets it,
 goodput the requests per second that do. Prints a table per rate, the highest rate each stack
 sustains at --attainment (default 90 %) attainment, and writes JSON and a PNG plot.
@@ -159,8 +160,12 @@ def main() -> int:
     args = parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     objectives = Objectives(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3)
-    workload = random_lengths(args.requests, args.input_len, args.output_len, args.range_ratio,
-                              args.vocab, args.seed)
+    # One workload per rate (both stacks get the same one): a prompt sent twice would hit the
+    # prefix cache the second time.
+    workloads = [random_lengths(args.requests, args.input_len, args.output_len, args.range_ratio,
+                                args.vocab, args.seed + 1 + i) for i in range(len(rates))]
+    warmup = random_lengths(4, args.input_len, args.output_len, args.range_ratio, args.vocab,
+                            args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="goodput-"))
     rows: dict[str, list[dict]] = {kind: [] for kind in STACKS}
     # Both stacks stay up; at every rate one runs after the other, so a drift in the machine's
@@ -170,9 +175,9 @@ def main() -> int:
         for stack in stacks.values():
             stack.wait_ready()
         for stack in stacks.values():
-            asyncio.run(run_online(GrpcBackend(f"127.0.0.1:{stack.port}", 600.0), workload[:4],
+            asyncio.run(run_online(GrpcBackend(f"127.0.0.1:{stack.port}", 600.0), warmup,
                                    float("inf"), None, args.seed, progress=False))
-        for rate in rates:
+        for rate, workload in zip(rates, workloads, strict=True):
             for kind, stack in stacks.items():
                 results, duration = asyncio.run(run_online(
                     GrpcBackend(f"127.0.0.1:{stack.port}", 600.0), workload, rate, None,

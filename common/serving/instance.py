@@ -132,8 +132,9 @@ class ServiceInstance:
         1. report NOT_SERVING and leave the registry (the gateway stops routing here);
         2. let in-flight RPCs finish for `grace_s`, then stop the gRPC server;
         3. cancel the service's background tasks;
-        4. `drain()`: give back what the service holds for others (prefill: held handoffs);
-        5. `close` (metrics server, pullers), then stop the engine's thread;
+        4. `drain()`: give back what the service holds for others (prefill: let its deliveries in
+           flight end);
+        5. `close` (metrics server, the handoff inbox), then stop the engine's thread;
         6. `close_after_engine` (what the engine's pool lives in), then the registry client.
         """
         stopping = time.monotonic()
