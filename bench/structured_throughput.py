@@ -3,7 +3,7 @@ JSON-schema requests against 64 unconstrained ones of the same output lengths, b
 
 The constrained run goes first (greedy, four schemas in turn, max_tokens 96) and fixes each
 request's output length; the unconstrained run generates exactly those lengths (EOS ignored,
-min_tokens = max_tokens), so both produce the same tokens count from the same prompts. The two
+max_tokens = that length), so both produce the same token count from the same prompts. The two
 runs then alternate `--rounds` times on one engine (the box's noise is ~20% between runs of one
 setting, bench/RESULTS.md, and other processes on it only ever slow a run); each mode's figure
 is its best round. Throughput is output tokens
@@ -163,8 +163,7 @@ def main() -> None:
     first_s, outs = timed(eng, ps, constrained)
     lengths = [len(o.output_token_ids) for o in outs]
     valid = sum(1 for o in outs if o.finish_reason == "stop" and _parses(o.text))
-    free = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
-            for n in lengths]
+    free = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
     seconds: dict[str, list[float]] = {"json_schema": [first_s], "unconstrained": []}
     for r in range(args.rounds):  # constrained, unconstrained, constrained, ...
         seconds["unconstrained"].append(timed(eng, ps, free)[0])
