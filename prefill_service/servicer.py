@@ -54,7 +54,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         first_only = dataclasses.replace(params, max_tokens=len(carried) + 1)
         loop = self.instance.loop
         stream = AsyncOutputStream()
-        delivering = False  # from here on the delivery releases the blocks
+        delivering = False  # True once the hand-off task owns releasing the blocks
         self.instance.num_inflight += 1
         try:
             await asyncio.wrap_future(loop.submit(rid, prompt, first_only, stream,
@@ -74,7 +74,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     first_token, request.decode_address))
                 self.handing_off.add(rid)
                 handoff.add_done_callback(lambda _: self.handing_off.discard(rid))
-                delivering = True  # from here on the hand-off releases the blocks
+                delivering = True
             yield prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=first_token,
                 first_text=final.new_text,
