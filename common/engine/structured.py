@@ -26,13 +26,24 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from common.engine.core.sampling_params import StructuredOutput
 from common.errors import InvalidRequestError
 from common.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr():
+    """xgrammar, imported on first use: it imports transformers (seconds of start-up and some
+    hundred MiB), which a service that never sees a constrained request does without."""
+    import xgrammar
+
+    return xgrammar
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:line: ".
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -47,8 +58,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int,
     for token, i in tokenizer.raw_vocab().items():
         if i < vocab_size:
             encoded[i] = token
-    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_json())
-    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
+    meta = _xgr().TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_json())
+    return _xgr().TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
                              stop_token_ids=list(stop_token_ids),
                              add_prefix_space=meta["add_prefix_space"])
 
@@ -98,7 +109,7 @@ class GrammarCache:
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         if self._compiler is None:
-            self._compiler = xgr.GrammarCompiler(self._make_info(), max_threads=1,
+            self._compiler = _xgr().GrammarCompiler(self._make_info(), max_threads=1,
                                                  cache_enabled=False)
         c = self._compiler
         try:
@@ -141,7 +152,7 @@ class GrammarState:
     def activate(self, outputs: list[int]) -> bool:
         """Make the matcher (the future must be done: raises its InvalidRequestError if the spec
         was refused) and feed it `outputs`; False if it rejects one of them."""
-        self.matcher = xgr.GrammarMatcher(self.future.result())
+        self.matcher = _xgr().GrammarMatcher(self.future.result())
         return all(self.accept(t) for t in outputs)
 
     def accept(self, token_id: int) -> bool:
@@ -189,7 +200,7 @@ class TokenMasker:
             event = torch.cuda.Event()
             event.record()
             self._copied[turn] = event
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows,
+        _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows,
                                         backend="triton" if cuda else "cpu")
 
     def _buffer(self, turn: int, n: int, words: int, pinned: bool) -> torch.Tensor:
