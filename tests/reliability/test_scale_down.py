@@ -8,8 +8,9 @@ are in flight, and check that nothing is lost:
   holds blocks for a delivery nor waits for one.
 
 Two graces: a long one, in which the draining service finishes its own streams (no request
-migrates), and a short one, in which its streams are cut when the grace ends and the gateway
-resumes them on the other decode service with the tokens already streamed (some migrate).
+migrates), and none, in which its streams are cut at once and the gateway resumes them on the
+other decode service with the tokens already streamed (some migrate; a grace of 0.3 s let a
+quiet box finish them all, so the case tested nothing).
 Real processes on loopback and the dummy tiny-llama model (seeded random weights: the same in
 every process) keep it within a minute on two cores.
 """
@@ -87,7 +88,7 @@ def leftovers(cluster: Cluster) -> dict[str, object]:
 
 @pytest.mark.parametrize("grace_s", [
     pytest.param(60.0, id="drains-within-grace"),
-    pytest.param(0.3, id="cut-and-migrated"),
+    pytest.param(0.0, id="cut-and-migrated"),
 ])
 def test_sigterm_one_of_two_decode_services_under_load(tmp_path, reference, grace_s):
     cluster = Cluster(tmp_path, MODEL, num_prefill=1, num_decode=2, engine_flags=ENGINE_FLAGS,
