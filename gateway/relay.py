@@ -118,17 +118,18 @@ class Relay:
             self.router.acquire(decode.instance_id)  # counted from now, so a burst spreads out
             handle.decode = handle.current = decode
             st.timings.decode_instance = decode.instance_id
-            if len(req.known_token_ids) <= self.config.local_prefill_max_tokens:
-                stream = self._decode(req, handle, decode, {"prefill_locally": True}, deadline)
-            else:
+            local = len(req.known_token_ids) <= self.config.local_prefill_max_tokens
+            source: dict = {"prefill_locally": True}
+            if not local:
                 prefill = await self._pick_prefill(req.known_token_ids)
                 handle.check()
                 handle.prefill = handle.current = prefill
-                # Opened first: it reserves blocks while the prefill queues and computes.
-                stream = self._decode(req, handle, decode, {"handoff": decode_pb2.Handoff(
-                    include_first_text=bool(req.params.stop),
-                    prefill_instance_id=prefill.instance_id)}, deadline)
-                async with aclosing(stream):
+                source = {"handoff": decode_pb2.Handoff(include_first_text=bool(req.params.stop),
+                                                        prefill_instance_id=prefill.instance_id)}
+            # Opened first: with a handoff it reserves blocks while the prefill queues and computes.
+            stream = self._decode(req, handle, decode, source, deadline)
+            async with aclosing(stream):
+                if not local:
                     async for msg in self._prefill_stage(req, handle, prefill, decode, deadline,
                                                          st):
                         yield msg
@@ -136,11 +137,7 @@ class Relay:
                         return
                     handle.check()
                     handle.current = decode
-                    async for msg in self._decode_stage(stream, False, st, req):
-                        yield msg
-                    return
-            async with aclosing(stream):
-                async for msg in self._decode_stage(stream, True, st, req):
+                async for msg in self._decode_stage(stream, local, st, req):
                     yield msg
         except (asyncio.CancelledError, ClientAborted):
             # Abort() cancelled our internal calls: end the stream with an abort message. The
