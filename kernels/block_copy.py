@@ -72,6 +72,8 @@ def copy_blocks(src: torch.Tensor,        # [..., num_blocks_src, block_size, kv
     outer = math.prod(src.shape[:bd])
     if n == 0 or inner == 0 or outer == 0:
         return
+    if src.dtype == torch.float8_e4m3fn:  # moved as bytes: a copy converts nothing
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     s3 = _view3(src, bd, "src")  # [outer, num_blocks_src, inner]
     d3 = _view3(dst, bd, "dst")
     chunk = min(config.chunk, triton.next_power_of_2(inner))

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor, multiprocessors, next_pow2
+from kernels.kv_store import KV_DTYPES
 
 LOG2E = 1.4426950408889634
 
@@ -290,7 +291,7 @@ def paged_attention_decode(
     dev = q.device
     check_tensor("q", q, dim=3, dtypes=FLOAT_DTYPES)
     b, h, d = q.shape
-    check_tensor("k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("k_cache", k_cache, dim=4, dtypes=KV_DTYPES, device=dev)
     _, block_size, kvh, _ = k_cache.shape
     check_tensor("k_cache", k_cache, shape=(None, None, None, d))
     check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=(k_cache.dtype,),

@@ -20,6 +20,10 @@ once, at the output (so it is the more exact of the two; they differ by about on
 activations). act_linear rounds exactly where torch_ops.silu_and_mul does, so it matches the
 unfused path bit for bit up to the float32 summation order.
 
+An FP8 weight (e4m3fn, one float32 scale per row: --quantization fp8) is read as it is stored,
+half the bytes, and each output multiplied by its row's scale before the bias (as
+kernels.skinny_gemm does).
+
 Program 0 alone writes the new residual (every program reads the old one, so it cannot be
 updated in place). Launch parameters are skinny_gemm's for M == 1 unless a config is given
 (bench/gpu_matmul.py --fused sweeps them).
@@ -68,11 +72,12 @@ def _fused_gemv_kernel(
     g_ptr,                 # [K] norm weight (norm)
     w_ptr,                 # [N, K]
     bias_ptr,              # [N], read when HAS_BIAS
+    scale_ptr,             # [N] float32, read when HAS_SCALE (an fp8 weight's row scales)
     out_ptr,               # [N]
     res_out_ptr,           # [K], written by program 0 when HAS_RESIDUAL
     N, K, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,23 +99,26 @@ def _fused_gemv_kernel(
     res = tl.sum(acc, 1)
     if PROLOGUE == 1:
         res = res * tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    if HAS_SCALE:
+        res = res * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         res += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             fp8: bool = False) -> bool:
     """Whether norm_linear / act_linear serve x [1, K] (act: [1, 2K]) with this weight on the
     GPU: skinny_gemm.supports at M == 1, on the matmul's input width."""
     k = weight.shape[-1] if weight.dim() == 2 else -1
     return (x.dim() == 2 and x.shape[1] in (k, 2 * k)
-            and skinny_gemm.supports(x[:, :k], weight, bias, max_m=1))
+            and skinny_gemm.supports(x[:, :k], weight, bias, max_m=1, fp8=fp8))
 
 
 def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,
             g: torch.Tensor | None, eps: float, weight: torch.Tensor,
             bias: torch.Tensor | None, res_out: torch.Tensor | None,
-            cfg: SkinnyConfig | None) -> torch.Tensor:
+            cfg: SkinnyConfig | None, weight_scale: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(1, n, dtype=h.dtype, device=h.device)
     cfg = cfg or default_config(n, k, 1, processor_count(h.device))
@@ -118,20 +126,22 @@ def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,
         raise ValueError(f"{cfg}: the fused GEMV takes block_m 1 and split_k 1")
     _fused_gemv_kernel[(cdiv(n, cfg.block_n),)](
         h, residual if residual is not None else h, g if g is not None else h, weight,
-        bias if bias is not None else weight, out, res_out if res_out is not None else h,
-        n, k, weight.stride(0), eps,
+        bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight, out,
+        res_out if res_out is not None else h, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        HAS_SCALE=weight_scale is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
     )
     return out
 
 
-def _check(h: torch.Tensor, width: int, weight: torch.Tensor,
-           bias: torch.Tensor | None) -> None:
+def _check(h: torch.Tensor, width: int, weight: torch.Tensor, bias: torch.Tensor | None,
+           weight_scale: torch.Tensor | None) -> None:
     dev = h.device
     check_tensor("h", h, shape=(1, width), dtypes=FLOAT_DTYPES)
-    check_tensor("weight", weight, dim=2, dtypes=(h.dtype,), device=dev)
+    skinny_gemm.check_weight(weight, weight_scale, h.dtype, dev)
     if bias is not None:
         check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(h.dtype,), device=dev)
 
@@ -140,28 +150,32 @@ def norm_linear(h: torch.Tensor,                     # [1, K]
                 residual: torch.Tensor | None,       # [1, K], h's dtype
                 norm_weight: torch.Tensor,           # [K]
                 eps: float,
-                weight: torch.Tensor,                # [N, K], h's dtype
+                weight: torch.Tensor,                # [N, K], h's dtype or fp8
                 bias: torch.Tensor | None = None,    # [N]
-                *, config: SkinnyConfig | None = None,
+                *, weight_scale: torch.Tensor | None = None,  # [N] float32: weight is fp8
+                config: SkinnyConfig | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:   # [1, N], new residual [1, K]
     """rms_norm(h, norm_weight, eps, residual) then linear, in one launch; returns (out,
     new_residual) where new_residual is h + residual (a new tensor), or h without a residual."""
     k = weight.shape[-1]
-    _check(h, k, weight, bias)
+    _check(h, k, weight, bias, weight_scale)
     check_tensor("norm_weight", norm_weight, shape=(k,), dtypes=FLOAT_DTYPES, device=h.device)
     res_out = None
     if residual is not None:
         check_tensor("residual", residual, shape=(1, k), dtypes=(h.dtype,), device=h.device)
         res_out = torch.empty_like(h)
-    out = _launch(PROLOGUE_NORM, h, residual, norm_weight, eps, weight, bias, res_out, config)
+    out = _launch(PROLOGUE_NORM, h, residual, norm_weight, eps, weight, bias, res_out, config,
+                  weight_scale)
     return out, (res_out if res_out is not None else h)
 
 
 def act_linear(gate_up: torch.Tensor,             # [1, 2K]: gate | up
-               weight: torch.Tensor,              # [N, K], gate_up's dtype
+               weight: torch.Tensor,              # [N, K], gate_up's dtype or fp8
                bias: torch.Tensor | None = None,  # [N]
-               *, config: SkinnyConfig | None = None,
+               *, weight_scale: torch.Tensor | None = None,  # [N] float32: weight is fp8
+               config: SkinnyConfig | None = None,
                ) -> torch.Tensor:                 # [1, N]
     """silu_and_mul(gate_up) then linear, in one launch."""
-    _check(gate_up, 2 * weight.shape[-1], weight, bias)
-    return _launch(PROLOGUE_ACT, gate_up, None, None, 0.0, weight, bias, None, config)
+    _check(gate_up, 2 * weight.shape[-1], weight, bias, weight_scale)
+    return _launch(PROLOGUE_ACT, gate_up, None, None, 0.0, weight, bias, None, config,
+                   weight_scale)

@@ -15,6 +15,10 @@ A program's output pair is rounded to the input dtype (the unfused qkv output), 
 float32 and rounded again (q and k heads, as rotary_store_kv does), then stored: q heads to the
 returned q, k and v heads into the cache at the token's slot (skipped when the slot is negative,
 a padding row). The norm and its rounding are those of fused_gemv.norm_linear.
+
+FP8: an e4m3fn weight with its row scales (weight_scale) is read as fused_gemv reads it, and an
+e4m3fn cache (--kv-cache-dtype fp8, scale 1.0) takes the rounded K/V saturated to +-448, as
+kernels.kv_store writes it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import triton.language as tl
 from kernels import skinny_gemm
 from kernels.checks import FLOAT_DTYPES, check_tensor
 from kernels.fused_gemv import input_tile
+from kernels.kv_store import KV_DTYPES, cache_value
 from kernels.skinny_gemm import SkinnyConfig, default_config, processor_count
 
 
@@ -34,6 +39,7 @@ def _norm_qkv_rotary_kernel(
     h_ptr, res_ptr, g_ptr,     # [K] hidden, residual (when HAS_RESIDUAL), norm weight
     w_ptr,                     # [N, K] qkv weight, N = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     bias_ptr,                  # [N], read when HAS_BIAS
+    scale_ptr,                 # [N] float32, read when HAS_SCALE (an fp8 weight's row scales)
     res_out_ptr,               # [K] new residual, written by program 0 when HAS_RESIDUAL
     q_out_ptr,                 # [HEADS, HEAD_DIM]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]
@@ -44,7 +50,7 @@ def _norm_qkv_rotary_kernel(
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
@@ -75,6 +81,9 @@ def _norm_qkv_rotary_kernel(
     rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
     lo = tl.sum(acc_lo, 1) * rstd
     hi = tl.sum(acc_hi, 1) * rstd
+    if HAS_SCALE:
+        lo *= tl.load(scale_ptr + row_lo)
+        hi *= tl.load(scale_ptr + row_lo + HALF)
     if HAS_BIAS:
         lo += tl.load(bias_ptr + row_lo).to(tl.float32)
         hi += tl.load(bias_ptr + row_lo + HALF).to(tl.float32)
@@ -96,12 +105,15 @@ def _norm_qkv_rotary_kernel(
     has_slot = (i * 0 + slot) >= 0       # a padding row (slot -1) writes nothing
     is_k = (hb >= HEADS) & rotate & has_slot
     is_v = (hb >= HEADS + KV_HEADS) & has_slot
+    kv_ty = k_cache_ptr.dtype.element_ty
+    kv_lo = cache_value(out_lo, kv_ty)
+    kv_hi = cache_value(out_hi, kv_ty)
     k_row = k_cache_ptr + block * stride_kcb + row * stride_kct + kv_head * stride_kch
-    tl.store(k_row + i, out_lo.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-    tl.store(k_row + HALF + i, out_hi.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_row + i, kv_lo, mask=is_k)
+    tl.store(k_row + HALF + i, kv_hi, mask=is_k)
     v_row = v_cache_ptr + block * stride_vcb + row * stride_vct + kv_head * stride_vch
-    tl.store(v_row + i, out_lo.to(v_cache_ptr.dtype.element_ty), mask=is_v)
-    tl.store(v_row + HALF + i, out_hi.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+    tl.store(v_row + i, kv_lo, mask=is_v)
+    tl.store(v_row + HALF + i, kv_hi, mask=is_v)
 
 
 def qkv_config(n: int, k: int, num_sms: int) -> SkinnyConfig:
@@ -120,11 +132,11 @@ def _pairs(n: int, k: int, head_dim: int, device: torch.device,
 
 
 def supports_qkv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+                 num_heads: int, num_kv_heads: int, head_dim: int, *, fp8: bool = False) -> bool:
     """Whether norm_qkv_rotary_store serves this batch-1 step: skinny_gemm.supports at M == 1,
     a weight of (num_heads + 2 * num_kv_heads) * head_dim rows, and head_dim / 2 a multiple of
     the pairs a program takes (powers of two)."""
-    if not skinny_gemm.supports(h, weight, bias, max_m=1):
+    if not skinny_gemm.supports(h, weight, bias, max_m=1, fp8=fp8):
         return False
     n = weight.shape[0]
     if head_dim % 2 or n != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -138,7 +150,7 @@ def norm_qkv_rotary_store(
     residual: torch.Tensor | None,   # [1, K], h's dtype
     norm_weight: torch.Tensor,       # [K]
     eps: float,
-    weight: torch.Tensor,            # [(heads + 2 * kv_heads) * head_dim, K], h's dtype
+    weight: torch.Tensor,            # [(heads + 2 * kv_heads) * head_dim, K], h's dtype or fp8
     bias: torch.Tensor | None,       # [N] or None
     positions: torch.Tensor,         # [1] int64
     cos_sin: torch.Tensor,           # [max_pos, head_dim] float32: cos half | sin half
@@ -147,17 +159,19 @@ def norm_qkv_rotary_store(
     slot_mapping: torch.Tensor,      # [1] int64; negative: write nothing to the cache
     num_heads: int,
     config: SkinnyConfig | None = None,  # launch parameters (rows = 2 x pairs); None: default
+    weight_scale: torch.Tensor | None = None,  # [N] float32: weight is fp8
 ) -> tuple[torch.Tensor, torch.Tensor]:   # rotated q [1, heads, head_dim], new residual [1, K]
     """fused_gemv.norm_linear(h, residual, ...) of the qkv weight, then
     kv_store.rotary_store_kv of its q, k and v, in one launch (see the module docstring)."""
     dev = h.device
     k = weight.shape[-1]
     check_tensor("h", h, shape=(1, k), dtypes=FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("k_cache", k_cache, dim=4, dtypes=KV_DTYPES, device=dev)
     _, block_size, kvh, d = k_cache.shape
-    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=KV_DTYPES, device=dev)
     n = (num_heads + 2 * kvh) * d
-    check_tensor("weight", weight, shape=(n, k), dtypes=(h.dtype,), device=dev)
+    skinny_gemm.check_weight(weight, weight_scale, h.dtype, dev)
+    check_tensor("weight", weight, shape=(n, k))
     if bias is not None:
         check_tensor("bias", bias, shape=(n,), dtypes=(h.dtype,), device=dev)
     check_tensor("norm_weight", norm_weight, shape=(k,), dtypes=FLOAT_DTYPES, device=dev)
@@ -176,13 +190,15 @@ def norm_qkv_rotary_store(
     q = torch.empty(1, num_heads, d, dtype=h.dtype, device=dev)
     _norm_qkv_rotary_kernel[(n // 2 // pairs,)](
         h, residual if residual is not None else h, norm_weight, weight,
-        bias if bias is not None else weight, res_out if res_out is not None else h, q,
+        bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight,
+        res_out if res_out is not None else h, q,
         k_cache, v_cache, positions, cos_sin, slot_mapping,
         k, weight.stride(0), eps,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEADS=num_heads, KV_HEADS=kvh, HEAD_DIM=d, BLOCK_SIZE=block_size,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        PAIRS=pairs, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        HAS_SCALE=weight_scale is not None, PAIRS=pairs, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return q, (res_out if res_out is not None else h)

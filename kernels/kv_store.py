@@ -5,6 +5,10 @@ Slot s is row s % block_size of block s // block_size; negative slots (padding) 
 scaled, e.g. llama3) with the store: it rotates k on its way into the cache and writes the rotated
 q, so the new K is never materialised unrotated-then-rotated in device memory. One program per
 token handles all of its heads.
+
+An fp8 pool (torch.float8_e4m3fn, --kv-cache-dtype fp8) has one scale per tensor, 1.0 (vLLM's
+default when a checkpoint carries none): a value is stored saturated to +-448 and rounded to
+e4m3 (`cache_value`, kernels.torch_ops.to_fp8), and read back by a plain cast.
 """
 
 from __future__ import annotations
@@ -14,6 +18,16 @@ import triton
 import triton.language as tl
 
 from kernels.checks import FLOAT_DTYPES, check_tensor, next_pow2
+
+KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)   # what a KV pool may hold
+
+
+@triton.jit
+def cache_value(x, ty: tl.constexpr):
+    """x as the pool stores it: rounded to ty, saturated first when ty is e4m3."""
+    if ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(ty)
 
 
 @triton.jit
@@ -38,9 +52,9 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + t * stride_vt + hd * stride_vh + offs_d[None, :], mask=mask)
     store = mask & ((hd * 0 + slot) >= 0)  # [BLOCK_H, 1] broadcast of the scalar test
     tl.store(k_cache_ptr + block * stride_kcb + row * stride_kct + hd * stride_kch
-             + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=store)
+             + offs_d[None, :], cache_value(k, k_cache_ptr.dtype.element_ty), mask=store)
     tl.store(v_cache_ptr + block * stride_vcb + row * stride_vct + hd * stride_vch
-             + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=store)
+             + offs_d[None, :], cache_value(v, v_cache_ptr.dtype.element_ty), mask=store)
 
 
 @triton.jit
@@ -93,13 +107,14 @@ def _rotary_store_kv_kernel(
                           cos, sin, key_ptr.dtype.element_ty)
     store = k_mask & ((kh * 0 + slot) >= 0)
     kc_row = k_cache_ptr + block * stride_kcb + row * stride_kct + kh * stride_kch
-    tl.store(kc_row + lo, k1.to(k_cache_ptr.dtype.element_ty), mask=store)
-    tl.store(kc_row + HALF + lo, k2.to(k_cache_ptr.dtype.element_ty), mask=store)
+    tl.store(kc_row + lo, cache_value(k1, k_cache_ptr.dtype.element_ty), mask=store)
+    tl.store(kc_row + HALF + lo, cache_value(k2, k_cache_ptr.dtype.element_ty), mask=store)
     v_row = value_ptr + t * stride_vt + kh * stride_vh
     vc_row = v_cache_ptr + block * stride_vcb + row * stride_vct + kh * stride_vch
     for half in tl.static_range(2):
         v = tl.load(v_row + half * HALF + lo, mask=k_mask)
-        tl.store(vc_row + half * HALF + lo, v.to(v_cache_ptr.dtype.element_ty), mask=store)
+        tl.store(vc_row + half * HALF + lo, cache_value(v, v_cache_ptr.dtype.element_ty),
+                 mask=store)
 
 
 def _check_store_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -108,8 +123,8 @@ def _check_store_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     check_tensor("key", key, dim=3, dtypes=FLOAT_DTYPES)
     t, kvh, d = key.shape
     check_tensor("value", value, shape=(t, kvh, d), dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("k_cache", k_cache, shape=(None, None, kvh, d), dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("k_cache", k_cache, shape=(None, None, kvh, d), dtypes=KV_DTYPES, device=dev)
+    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=KV_DTYPES, device=dev)
     check_tensor("slot_mapping", slot_mapping, shape=(t,), dtypes=(torch.int64,), device=dev)
 
 

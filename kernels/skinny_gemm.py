@@ -19,7 +19,10 @@ capture-safe like any allocation from torch's caching allocator), and a second l
 splits, adds the bias and rounds. With split_k == 1 one launch writes the output directly.
 
 Arithmetic: float32 accumulation, bias added in float32, one rounding to x's dtype (as F.linear
-on CUDA). The grid depends on shapes only, so calls can be captured in a CUDA graph.
+on CUDA). An FP8 (e4m3fn) weight with one float32 scale per row (`weight_scale`, the
+--quantization fp8 layout) streams half the bytes: each tile is widened to float32 (to x's dtype
+for tl.dot) and the row's sum multiplied by its scale before the bias (kernels.torch_ops.linear
+of the dequantized weight, up to the order of the float32 products). The grid depends on shapes only, so calls can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def _skinny_gemm_kernel(
     x_ptr,                 # [M, K]
     w_ptr,                 # [N, K]
     bias_ptr,              # [N], read when HAS_BIAS and SPLIT_K == 1
+    scale_ptr,             # [N] float32, read when HAS_SCALE (an fp8 weight's row scales)
     out_ptr,               # [M, N], written when SPLIT_K == 1
     part_ptr,              # [SPLIT_K, M, N] float32, written when SPLIT_K > 1
     M, N, K,
@@ -98,7 +102,7 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -128,8 +132,10 @@ def _skinny_gemm_kernel(
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)   # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
         else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     res = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else acc   # [BLOCK_M, BLOCK_N]
+    if HAS_SCALE:
+        res = res * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     mn_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -164,13 +170,15 @@ def processor_count(device: torch.device) -> int:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             max_m: int = SKINNY_M) -> bool:
+             max_m: int = SKINNY_M, *, fp8: bool = False) -> bool:
     """Whether skinny_linear should serve F.linear(x, weight, bias) (else: fall back to it).
 
-    CUDA, 16-bit floats of one dtype, x [M, K] with 1 <= M <= max_m, K a multiple of 16, unit
-    last strides, a [N] bias, and no autograd (the kernel has no backward)."""
+    CUDA, 16-bit floats of one dtype (fp8: an e4m3fn weight, whose scale the caller has), x
+    [M, K] with 1 <= M <= max_m, K a multiple of 16, unit last strides, a [N] bias, and no
+    autograd (the kernel has no backward)."""
     return (x.is_cuda and x.dim() == 2 and weight.dim() == 2
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == (torch.float8_e4m3fn if fp8 else x.dtype)
             and weight.device == x.device
             and 1 <= x.shape[0] <= min(max_m, MAX_M) and x.shape[1] == weight.shape[1]
             and x.shape[1] % 16 == 0 and x.stride(1) == 1 and weight.stride(1) == 1
@@ -184,14 +192,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
                   weight: torch.Tensor,              # [N, K], x's dtype
                   bias: torch.Tensor | None = None,  # [N], x's dtype
-                  *, config: SkinnyConfig | None = None,
+                  *, weight_scale: torch.Tensor | None = None,  # [N] float32: weight is fp8
+                  config: SkinnyConfig | None = None,
                   ) -> torch.Tensor:                 # [M, N], x's dtype
-    """Same as torch_ops.linear (F.linear with float32 accumulation); see supports() for when
-    it beats cuBLAS. Allocates the output, and with split_k > 1 a float32 workspace."""
+    """Same as torch_ops.linear (F.linear with float32 accumulation) of the weight (times
+    weight_scale's rows: an fp8 weight); see supports() for when it beats cuBLAS. Allocates
+    the output, and with split_k > 1 a float32 workspace."""
     dev = x.device
     check_tensor("x", x, dim=2, dtypes=FLOAT_DTYPES)
     m, k = x.shape
-    check_tensor("weight", weight, dim=2, dtypes=(x.dtype,), device=dev)
+    check_weight(weight, weight_scale, x.dtype, dev)
     check_tensor("weight", weight, shape=(None, k))
     n = weight.shape[0]
     if bias is not None:
@@ -207,10 +217,12 @@ def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
     part = (torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=dev)
             if cfg.split_k > 1 else out)
     _skinny_gemm_kernel[(cdiv(n, cfg.block_n), cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, part,
+        x, weight, bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight, out, part,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, NUM_STAGES=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+        HAS_SCALE=weight_scale is not None, NUM_STAGES=cfg.num_stages,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
     )
@@ -219,6 +231,17 @@ def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
             part, bias if bias is not None else weight, out, m * n, n,
             SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4)
     return out
+
+
+def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """weight [N, K] in dtype, or fp8 e4m3fn with its [N] float32 row scales."""
+    if weight_scale is None:
+        check_tensor("weight", weight, dim=2, dtypes=(dtype,), device=device)
+        return
+    check_tensor("weight", weight, dim=2, dtypes=(torch.float8_e4m3fn,), device=device)
+    check_tensor("weight_scale", weight_scale, shape=(weight.shape[0],),
+                 dtypes=(torch.float32,), device=device)
 
 
 def _check_config(cfg: SkinnyConfig, m: int) -> None:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0           # largest finite e4m3fn value
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # floor of a dynamic scale (an all-zero row), as vLLM
+
 
 def store_kv(key: torch.Tensor,          # [T, kv_heads, head_dim]
              value: torch.Tensor,        # [T, kv_heads, head_dim]
@@ -21,8 +25,10 @@ def store_kv(key: torch.Tensor,          # [T, kv_heads, head_dim]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        if cache.dtype == FP8:  # saturated, stored through bytes (no fp8 index_copy_ on CPU)
+            src, cache = to_fp8(src).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, src.to(cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,12 +55,15 @@ def paged_attention_decode(q: torch.Tensor,             # [B, heads, head_dim]
     valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # [B, L]
     # Slots past a sequence's end hold whatever the pool held (possibly NaN): zero them in the
     # gathered copies, since a zero attention weight times NaN is still NaN.
-    k = k_cache[table].reshape(b, n_blocks * bs, kvh, d).masked_fill_(~valid[:, :, None, None], 0)
-    v = v_cache[table].reshape(b, n_blocks * bs, kvh, d).masked_fill_(~valid[:, :, None, None], 0)
+    # An fp8 cache is read in q's dtype (its scale is 1.0: the cast is the dequantization).
+    k = k_cache[table].to(q.dtype).reshape(b, n_blocks * bs, kvh, d)
+    v = v_cache[table].to(q.dtype).reshape(b, n_blocks * bs, kvh, d)
+    k.masked_fill_(~valid[:, :, None, None], 0)
+    v.masked_fill_(~valid[:, :, None, None], 0)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kvh, L, d]
     mask = valid[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
         enable_gqa=(h != kvh))
     return out.squeeze(2)
 
@@ -156,4 +165,43 @@ def linear(x: torch.Tensor,                   # [M, K]
     """x @ weight.T + bias accumulated in float32 and rounded once to x's dtype: the semantics
     of kernels.skinny_gemm.skinny_linear (and of F.linear on CUDA)."""
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+# ---- FP8 (e4m3fn) quantization: weights per output channel, activations per token ----------
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x saturated to +-FP8_MAX, then rounded to the nearest e4m3fn (the cast alone is not
+    saturating on every torch version)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_rows(x: torch.Tensor,  # [M, K]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] fp8, [M, 1] float32
+    """One scale per row, amax / FP8_MAX (at least FP8_MIN_SCALE): q = x / scale in e4m3fn,
+    so x ~= q * scale. Per output channel for a weight [N, K], per token for activations
+    (vLLM's online fp8); the semantics of kernels.fp8_linear.quantize_per_token."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return to_fp8(x.float() / scale), scale
+
+
+def dequantize_rows(q: torch.Tensor,      # [N, K] fp8
+                    scale: torch.Tensor,  # [N] or [N, 1] float32
+                    dtype: torch.dtype) -> torch.Tensor:  # [N, K]
+    """q * scale in float32, rounded once to dtype."""
+    return (q.float() * scale.view(-1, 1)).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor,                   # [M, K]
+               qweight: torch.Tensor,             # [N, K] fp8
+               weight_scale: torch.Tensor,        # [N] float32
+               bias: torch.Tensor | None = None,  # [N]
+               ) -> torch.Tensor:                 # [M, N], x's dtype
+    """W8A8: x quantized per token, the product of the fp8 values accumulated in float32,
+    scaled by both scales, bias added, rounded once: the semantics of torch._scaled_mm with
+    row-wise scales (kernels.fp8_linear.fp8_linear)."""
+    xq, xs = quantize_rows(x)
+    out = F.linear(xq.float(), qweight.float()) * xs * weight_scale.view(1, -1)
+    if bias is not None:
+        out = out + bias.float()
     return out.to(x.dtype)

@@ -49,6 +49,10 @@ class ModelSettings:
                                  "(reference ops) or triton")
     model_cache_dir: str = opt(str(DEFAULT_CACHE_DIR),
                                "where converted (GGUF -> safetensors) models are cached")
+    quantization: str | None = opt(
+        None, "fp8: quantize the projections' weights to FP8 (e4m3) at load, one scale per "
+        "output channel (common/models/fp8.py); on CUDA with activations quantized per token "
+        "(torch._scaled_mm) above batch 1; default: none (the checkpoint's precision)")
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
     cpu_threads: int = opt(0, "torch threads on CPU (0: one per core); give each service its "
                            "share when several run on one machine")
@@ -62,6 +66,8 @@ class ModelSettings:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or none, got {self.quantization!r}")
         if self.cpu_linear not in ("auto", "onednn", "torch"):
             raise ValueError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")
 
@@ -84,8 +90,13 @@ class CacheConfig:
     cpu_kv_cache_gib: float = opt(
         4.0, "KV pool size in GiB on CPU (when --num-kv-blocks is not given)")
     enable_prefix_caching: bool = opt(True, "reuse KV blocks of shared prompt prefixes")
+    kv_cache_dtype: str = opt("auto", "KV pool dtype: auto (the model's) or fp8 (e4m3, one "
+                              "scale per tensor, 1.0: half the bytes of bf16; both sides of a "
+                              "handoff must agree)")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

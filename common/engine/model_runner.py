@@ -43,6 +43,7 @@ from common.engine.parallel import RankWorkers
 from common.engine.sampler import DeviceSample, Sampler, TokenLogprobs
 from common.engine.step_input import StepInput, build_step_input, decodes_first, step_rows
 from common.models.attention import AttentionBackend, AttentionMetadata
+from common.models.fp8 import is_quantized, quantize_model
 from common.models.model_config import ModelConfig
 from common.models.ops_onednn import install_cpu_ops
 from common.spec_decode.rejection import RejectionSampler
@@ -145,6 +146,8 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype,
                  kv_cache_allocator: KVAllocator | None = None, *, max_model_len: int,
                  extra_bytes_per_block: int = 0):
+        if config.model.quantization == "fp8" and not is_quantized(model):
+            quantize_model(model)  # before the pool is sized from the memory left
         if device.type == "cpu":
             install_cpu_ops(model, config.model.cpu_linear)
         self.model = model
@@ -152,6 +155,8 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
+        # --kv-cache-dtype fp8: e4m3 with scale 1.0 (kernels.kv_store), else the model's dtype
+        self.kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.backend = make_attention_backend(config.model.attention_backend, device)
@@ -165,7 +170,7 @@ class ModelRunner:
         self.step_listeners: list[Callable[[StepTiming], None]] = []
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
                  self.num_kv_heads, model_config.head_dim)
-        self.kv_cache = (kv_cache_allocator or default_kv_allocator)(shape, dtype, device)
+        self.kv_cache = (kv_cache_allocator or default_kv_allocator)(shape, self.kv_dtype, device)
 
     @property
     def num_kv_heads(self) -> int:
@@ -177,7 +182,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         mc = self.mc
         return (2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim
-                * torch.empty((), dtype=self.dtype).element_size())
+                * torch.empty((), dtype=self.kv_dtype).element_size())
 
     def _pool_size(self) -> int:
         if self.config.cache.num_kv_blocks is not None:
@@ -329,6 +334,8 @@ def scatter_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv
     kv = kv.to(device=pool.device, dtype=pool.dtype)
     if not use_kernel:
         _check_block_ids(block_ids, pool)
+        if pool.dtype == torch.float8_e4m3fn:  # no fp8 index_copy_ on CPU: copy the bytes
+            pool, kv = pool.view(torch.uint8), kv.view(torch.uint8)
         pool.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64, device=pool.device), kv)
         return
     from kernels.block_copy import copy_listed_blocks

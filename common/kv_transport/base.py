@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from common.errors import TransferError
-from common.kv_transport.blocks import KV_LAYOUT, dtype_name, transfer_stream
+from common.kv_transport.blocks import KV_LAYOUT, KV_SCALE, dtype_name, transfer_stream
 from common.kv_transport.checksum import kv_checksum
 from common.registry.records import HandoffDescriptor
 
@@ -38,8 +38,11 @@ def check_geometry(desc: HandoffDescriptor, dst_pool: torch.Tensor,
     shape = tuple(dst_pool.shape)
     if dst_pool.dim() != 6 or (shape[0], shape[1], *shape[3:]) != want:
         raise TransferError(f"source blocks {want} do not fit destination pool {shape}")
-    if desc.dtype != dtype_name(dst_pool.dtype):
-        raise TransferError(f"source dtype {desc.dtype}, destination {dtype_name(dst_pool.dtype)}")
+    if desc.dtype != dtype_name(dst_pool.dtype) or desc.kv_scale != KV_SCALE:
+        raise TransferError(
+            f"KV cache dtype mismatch: the source pool holds {desc.dtype} (scale "
+            f"{desc.kv_scale}), this one {dtype_name(dst_pool.dtype)} (scale {KV_SCALE}); "
+            "both sides must run with the same --kv-cache-dtype (and --dtype)")
     if len(dst_block_ids) != len(desc.block_ids):
         raise TransferError(f"{len(desc.block_ids)} source blocks, "
                             f"{len(dst_block_ids)} destination blocks")

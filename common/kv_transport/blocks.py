@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+# Every pool's per-tensor scale (an fp8 pool's values are the K/V themselves: kernels.kv_store).
+KV_SCALE = 1.0
 BLOCK_AXIS = 2
 
 

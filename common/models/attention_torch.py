@@ -108,8 +108,10 @@ def _gather(cache: torch.Tensor, batch: _Batch, dtype: torch.dtype) -> torch.Ten
     [n, kv_heads, P, d] (a transposed view of a fresh copy), zero past each sequence's end."""
     _, _, kvh, d = cache.shape
     n = batch.bias.shape[0]
-    x = cache.index_select(0, batch.blocks).view(-1, kvh, d).index_fill_(0, batch.past_end, 0)
-    return x.view(n, -1, kvh, d).transpose(1, 2).to(dtype)
+    # An fp8 pool is read in the compute dtype (its scale is 1.0: the cast dequantizes).
+    x = cache.index_select(0, batch.blocks).to(dtype).view(-1, kvh, d)
+    x.index_fill_(0, batch.past_end, 0)
+    return x.view(n, -1, kvh, d).transpose(1, 2)
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -3,7 +3,8 @@ that a device path can swap them.
 
 The default is kernels.torch_ops and F.linear (plain torch, the CPU path); the CUDA path uses
 common.models.ops_triton.TRITON_OPS, built from kernels' Triton kernels with the same signatures
-and semantics.
+and semantics. A projection's weight is a tensor or, under --quantization fp8, an Fp8Weight
+(common.models.fp8); both op sets take either.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from common.models.attention import AttentionBackend, AttentionMetadata
+from common.models.fp8 import reference_linear
 from kernels import torch_ops
 
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
@@ -101,14 +102,14 @@ def reference_rotary_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return q
 
 
-_reference_norm_linear = compose_norm_linear(torch_ops.rms_norm, F.linear)
+_reference_norm_linear = compose_norm_linear(torch_ops.rms_norm, reference_linear)
 REFERENCE_OPS = ModelOps(
     rms_norm=torch_ops.rms_norm,
     silu_and_mul=torch_ops.silu_and_mul,
     rotary_store=reference_rotary_store,
-    linear=F.linear,
+    linear=reference_linear,
     norm_linear=_reference_norm_linear,
-    act_linear=compose_act_linear(torch_ops.silu_and_mul, F.linear),
+    act_linear=compose_act_linear(torch_ops.silu_and_mul, reference_linear),
     norm_qkv_rotary_store=compose_norm_qkv_rotary_store(_reference_norm_linear,
                                                         reference_rotary_store),
 )

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.models.fp8 import is_quantized
 from common.models.ops import (
     REFERENCE_OPS,
     ModelOps,
@@ -116,8 +117,10 @@ def resolve_cpu_linear(name: str) -> str:
 
 def install_cpu_ops(model: nn.Module, cpu_linear: str) -> None:
     """Sets model.ops for the CPU per cpu_linear, packing the weights of its nn.Linear layers
-    and its logits weight (model.logits_weight, the embedding table when tied) now."""
-    if resolve_cpu_linear(cpu_linear) == "torch":
+    and its logits weight (model.logits_weight, the embedding table when tied) now. A model
+    with fp8 weights (common.models.fp8) takes the reference ops: a packed copy would be the
+    dequantized weights, the memory that fp8 saves."""
+    if resolve_cpu_linear(cpu_linear) == "torch" or is_quantized(model):
         model.ops = REFERENCE_OPS
         return
     if isinstance(model.ops.linear, OneDnnLinear):  # a second runner on the same model

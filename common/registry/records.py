@@ -85,6 +85,9 @@ class HandoffDescriptor:
     checksum: int
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     created_at: float = 0.0      # time.time() at publish
+    # The pool's per-tensor scale: K/V = stored value * kv_scale (1.0 for every dtype today,
+    # the fp8 pool included: kernels.kv_store); a receiver with another scale refuses the KV.
+    kv_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.request_id:

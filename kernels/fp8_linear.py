@@ -1,0 +1,82 @@
+"""FP8 projections on Hopper: x quantized per token by a Triton kernel, then cuBLASLt's FP8 GEMM
+(torch._scaled_mm) with row-wise scales, as vLLM's online fp8 does it:
+
+    xq[m], xs[m] = x[m] / (amax(|x[m]|) / 448) in e4m3fn, amax(|x[m]|) / 448   (one program a row)
+    out[m, n]    = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n] (+ bias[n])      (_scaled_mm)
+
+The weight is quantized once at load (kernels.torch_ops.quantize_rows: one scale per output
+channel); its [N, K] row-major storage is the column-major [K, N] operand _scaled_mm wants, so
+no copy is made. The reference is kernels.torch_ops.fp8_linear (the same quantization, float32
+arithmetic on the fp8 values). Batch-1 projections do not come here: they stream the fp8 weight
+through the GEMVs (kernels.skinny_gemm, fused_gemv, fused_qkv with weight_scale), whose
+activations stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_tensor, next_pow2
+from kernels.torch_ops import FP8, FP8_MAX, FP8_MIN_SCALE
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,        # [M, K]
+    q_ptr,        # [M, K] fp8 e4m3fn
+    scale_ptr,    # [M] float32
+    K, stride_xm, stride_qm,
+    BLOCK_K: tl.constexpr, FMAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / FMAX, MIN_SCALE)
+    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_per_token(x: torch.Tensor,  # [M, K], 16- or 32-bit float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] fp8, [M, 1] float32
+    """kernels.torch_ops.quantize_rows in one launch (the whole row in one program)."""
+    check_tensor("x", x, dim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = next_pow2(k)
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block,
+                                    FMAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+                                    num_warps=min(16, max(1, block // 512)))
+    return q, scale
+
+
+def supports(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether fp8_linear serves x [M, K] on this weight: CUDA, bf16 x (row-wise scales give
+    bf16 out), K and N multiples of 16 (cuBLASLt's FP8 rule)."""
+    return (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16
+            and qweight.dtype == FP8 and qweight.dim() == 2 and x.shape[1] == qweight.shape[1]
+            and x.shape[1] % 16 == 0 and qweight.shape[0] % 16 == 0 and x.stride(1) == 1
+            and qweight.is_contiguous())
+
+
+def fp8_linear(x: torch.Tensor,                   # [M, K] bf16
+               qweight: torch.Tensor,             # [N, K] fp8 e4m3fn, row-major
+               weight_scale: torch.Tensor,        # [N] float32
+               bias: torch.Tensor | None = None,  # [N], x's dtype
+               ) -> torch.Tensor:                 # [M, N], x's dtype
+    """W8A8 linear (the module docstring); see supports() for the shapes it takes."""
+    n, k = qweight.shape
+    check_tensor("weight_scale", weight_scale, shape=(n,), dtypes=(torch.float32,),
+                 device=x.device)
+    if not supports(x, qweight):
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(qweight.shape)} {qweight.dtype}: see supports()")
+    xq, xs = quantize_per_token(x)
+    out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=weight_scale.view(1, n),
+                           out_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)
