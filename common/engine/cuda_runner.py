@@ -105,8 +105,9 @@ class _Graph:
 
 class CudaGraphRunner(ModelRunner):
     """ModelRunner's API (execute, kv_cache, num_blocks, export_kv, import_kv, sampler) with
-    persistent buffers and CUDA graphs. Two kinds of step go to ModelRunner.run_step instead
-    (kind "fallback"): speculative verification steps (drafts), and steps larger than the
+    persistent buffers and CUDA graphs. Three kinds of step go to ModelRunner.run_step instead
+    (kind "fallback"): speculative verification steps (drafts), steps with a sequence that asked
+    for prompt_logprobs (they need every prompt row's logits), and steps larger than the
     buffers (more sequences than max_num_seqs, e.g. handed-off requests, or tables past
     max_model_len). Step kinds: "graph" (a decode graph), "prefill_graph", "eager" (the
     buffers, no graph) and "fallback"."""
@@ -153,7 +154,8 @@ class CudaGraphRunner(ModelRunner):
                  draft_probs: Mapping[str, torch.Tensor]) -> PendingStep:
         """The step on the persistent buffers: a graph replay where one fits, else eager."""
         if (step.num_seqs > self.max_seqs or step.num_tokens > self.max_tokens
-                or step.width > self.max_blocks or any(s.spec_token_ids for s in items)):
+                or step.width > self.max_blocks or any(s.spec_token_ids for s in items)
+                or any(s.seq.params.prompt_logprobs is not None for s in items)):
             pending = super().run_step(items, step, draft_probs)
             pending.kind = "fallback"
             return pending

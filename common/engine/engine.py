@@ -83,6 +83,13 @@ class RequestOutput:
     # Set on a finished output when the request failed after it was added (its structured
     # output's grammar was refused): the caller reports this error instead of the output.
     error: SplitserveError | None = None
+    # n > 1: the choice this output belongs to (request_id is the request's for every choice),
+    # and whether it is the request's last output (its last unfinished choice finished). With
+    # n == 1, index 0 and last == finished.
+    index: int = 0
+    last: bool = False
+    # prompt_logprobs: one entry per prompt token (None for the first), on the first output.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -168,6 +175,7 @@ class LLMEngine:
                               self.step_in_flight_may_write_free_blocks, self._use_device)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
+        self._choices: dict[str, list[str]] = {}  # n > 1: a request's id -> its forks' ids
         self.texts: dict[str, _Text] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
         # Structured outputs (common/engine/structured.py): grammars compile off this thread;
@@ -214,6 +222,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length ({self.max_model_len})")
+        if params.prompt_logprobs is not None and self.ranks is not None:
+            raise InvalidRequestError("prompt_logprobs are not served at tensor-parallel size > 1")
         needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.config.cache.block_size)
         if needed > self.block_manager.num_blocks:
             raise InvalidRequestError(
@@ -237,11 +247,9 @@ class LLMEngine:
                        arrival_time=arrival_time or time.monotonic(), hold_kv=hold_kv)
         if params.structured is not None:
             seq.grammar = self._grammar_state(params)
-        if self.tokenizer is not None:
-            self.texts[request_id] = _Text(
-                IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                       params.skip_special_tokens),
-                StopChecker(params.stop, params.include_stop_str_in_output))
+        if params.prompt_logprobs is not None and prefilled is None and not output_token_ids:
+            seq.prompt_logprobs = [None] * len(prompt_token_ids)  # filled as it is computed
+        self._add_text(seq)
         known = list(output_token_ids)
         if prefilled is not None:
             if prefilled.block_ids is not None:
@@ -263,9 +271,34 @@ class LLMEngine:
         self.scheduler.add(seq)
         if seq.grammar is not None and not seq.grammar.ready:
             self._compiling.append(seq)
+        if seq.num_output_tokens and params.n > 1:  # prefilled upstream: fork at once
+            self._fork(seq)
         if reason is not None:  # a known token already ended it: report at the next step
             self._finish(seq, reason)
             self._pending.append(self._output(seq, [], "", None, time.monotonic()))
+
+    def _add_text(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            self.texts[seq.request_id] = _Text(
+                IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                       seq.params.skip_special_tokens),
+                StopChecker(seq.params.stop, seq.params.include_stop_str_in_output))
+
+    def _fork(self, parent: Sequence) -> None:
+        """n > 1, once parent (choice 0) has its first token: the other n - 1 choices, each
+        sharing parent's computed full prompt blocks (Scheduler.fork) and sampling its own first
+        token with seed + index. Their outputs carry parent's request id and their index."""
+        params, parent.params = parent.params, parent.params.choice(0)
+        ids = self._choices[parent.request_id] = []
+        for i in range(1, params.n):
+            child = self.scheduler.fork(parent, f"{parent.request_id}#{i}", params.choice(i), i)
+            if params.structured is not None:
+                child.grammar = self._grammar_state(child.params)
+                if not child.grammar.ready:
+                    self._compiling.append(child)
+            self._add_text(child)
+            self.seqs[child.request_id] = child
+            ids.append(child.request_id)
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState:
         """The request's matcher state, active at once when its grammar is cached (a refused
@@ -306,14 +339,17 @@ class LLMEngine:
         self._compiling = waiting
 
     def abort(self, request_id: str) -> bool:
+        """Abort a request, every choice of it, or release its handoff hold."""
         if self.kv.release(request_id):
             return True
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        self._forget(request_id)
-        return True
+        found = False
+        for sid in [request_id, *self._choices.pop(request_id, ())]:
+            seq = self.seqs.pop(sid, None)
+            if seq is not None:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                self._forget(sid)
+                found = True
+        return found
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending)
@@ -388,6 +424,11 @@ class LLMEngine:
 
     def _finish_step(self, out: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         result = pending.result()
+        for rid, lps in pending.prompt_logprobs.items():
+            seq = self.seqs.get(rid)
+            if seq is not None and seq.prompt_logprobs is not None:
+                for position, lp in lps:  # by position: a preempted prompt's recompute agrees
+                    seq.prompt_logprobs[position] = lp
         if self.speculator:
             self.speculator.record(result.num_drafts, result.num_accepted)
         now = time.monotonic()
@@ -411,6 +452,8 @@ class LLMEngine:
         for seq, new_ids, new_text, lps, reason in appended:
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.params.n > 1 and seq.num_output_tokens:  # before its blocks may be freed
+                self._fork(seq)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(self._output(seq, new_ids, new_text, lps, now))
@@ -482,7 +525,7 @@ class LLMEngine:
         finished = seq.is_finished
         text = self.texts.get(seq.request_id)
         out = RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.parent_id or seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             new_token_ids=new_ids,
             new_text=new_text,
@@ -498,10 +541,18 @@ class LLMEngine:
             block_hashes=list(seq.block_hashes[:seq.num_prompt_tokens // self.config.cache.block_size]),
             logprobs=logprobs,
             text=text.text if text else "",
+            index=seq.choice_index,
         )
+        if seq.prompt_logprobs is not None and (seq.num_output_tokens or finished):
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         if finished:
             self.seqs.pop(seq.request_id, None)
             self._forget(seq.request_id)
+            group = out.request_id
+            out.last = group not in self.seqs and all(
+                c not in self.seqs for c in self._choices.get(group, ()))
+            if out.last:
+                self._choices.pop(group, None)
         return out
 
     # ---- convenience ------------------------------------------------------------------------

@@ -101,11 +101,15 @@ class PendingStep:
     the path that ran it, a key of the runner's `steps` ("eager" for ModelRunner.run_step)."""
 
     def __init__(self, seqs: list[Sequence], sample: DeviceSample | None = None,
-                 done: StepOutput | None = None, *, kind: str = "eager"):
+                 done: StepOutput | None = None, *, kind: str = "eager",
+                 prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] | None = None):
         self.seqs = seqs
         self._sample = sample
         self._done = done
         self.kind = kind
+        # prompt_logprobs: request id -> (prompt position, log-probability of its token) for the
+        # positions this step computed the logits before (ModelRunner.prompt_logprobs).
+        self.prompt_logprobs = prompt_logprobs or {}
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -241,16 +245,51 @@ class ModelRunner:
         if self.ranks is not None:  # they run the same forward (common.engine.parallel)
             self.ranks.lead_step(step, input_ids, bool(sampling))
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        prompt_lps = self.prompt_logprobs(items, step, hidden)
         if not sampling:
-            return PendingStep([])
+            return PendingStep([], prompt_logprobs=prompt_lps)
         # Logit rows: each sampling sequence's last known token, then its drafts.
         rows = step.logit_rows
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[idx] if len(rows) < step.num_tokens else hidden)
         seqs = [s.seq for s in sampling]
         if not any(s.spec_token_ids for s in sampling):
-            return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens))
-        return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs))
+            return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens),
+                               prompt_logprobs=prompt_lps)
+        return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs),
+                           prompt_logprobs=prompt_lps)
+
+    def prompt_logprobs(self, items: list[ScheduledSeq], step: StepInput, hidden: torch.Tensor,
+                        ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+        """For each sequence that asked for prompt_logprobs: the log-probability (float32
+        log_softmax of the raw logits), rank and top-k of each prompt token whose logits this
+        step computes, i.e. of token p + 1 for each prompt row p but the last:
+
+            prompt:   | t0 t1 t2 t3 t4 |          this chunk computes rows p = 2, 3
+            rows:           | 2  3 |           -> logprobs of t3 (position 3) and t4 (position 4)
+
+        A host sync per step that has such a sequence; such steps run here, not in a graph."""
+        out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+        for b, s in enumerate(items):
+            seq, k = s.seq, s.seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+            if k is None or end <= start:
+                continue
+            first = step.query_start_loc[b]
+            logp = torch.log_softmax(self.model.compute_logits(
+                hidden[first:first + end - start]), dim=-1)
+            target = torch.tensor(seq.prompt_token_ids[start + 1:end + 1], dtype=torch.int64,
+                                  device=logp.device)
+            chosen = logp.gather(1, target[:, None])
+            rank = (logp > chosen).sum(dim=1) + 1
+            top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], target[:, None][:, :0])
+            rows = zip(target.tolist(), chosen[:, 0].tolist(), rank.tolist(), top_i.tolist(),
+                       top_v.tolist(), strict=True)
+            out[seq.request_id] = [
+                (start + 1 + j, TokenLogprobs(t, v, tuple(zip(ti, tv, strict=True)), r))
+                for j, (t, v, r, ti, tv) in enumerate(rows)]
+        return out
 
     @contextmanager
     def timed_steps(self) -> Iterator[list[StepTiming]]:

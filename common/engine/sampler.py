@@ -37,6 +37,7 @@ class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability under the raw logits
     top: tuple[tuple[int, float], ...]  # the params.logprobs most likely (token_id, logprob)
+    rank: int | None = None  # prompt_logprobs: 1 + how many tokens were more likely
 
 
 class SamplerOutput(NamedTuple):

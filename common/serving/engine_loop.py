@@ -5,8 +5,8 @@ The engine is not thread-safe, so everything that touches it runs on the loop's 
 queued commands between steps, then steps while any request is unfinished, and sleeps on a
 condition when there is nothing to do (no polling).
 
-Each request has a sink, called on the loop's thread with every RequestOutput of the request,
-then never again once one is `finished`. A request that ends without a final output (aborted
+Each request has a sink, called on the loop's thread with every RequestOutput of the request
+(of each of its choices when n > 1), then never again once one is `last`. A request that ends without a final output (aborted
 through this loop, the loop stopping, an engine error, or a grammar its parser refused: the
 output's `error`) gets one exception instead:
 EngineDroppedRequest or the error. `AsyncOutputStream` is a sink that hands items to an asyncio
@@ -158,7 +158,7 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            if out.finished:
+            if out.last:  # n > 1: a request's choices finish one by one
                 del self._sinks[out.request_id]
             sink(out if out.error is None else out.error)
 
@@ -192,5 +192,5 @@ class AsyncOutputStream:
             if isinstance(item, BaseException):
                 raise item
             yield item
-            if item.finished:
+            if item.last:
                 return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -71,6 +72,12 @@ class SamplingParams:
     # speculates (its drafts would need the grammar's mask and rollback), so this sets
     # `speculative` to False.
     structured: StructuredOutput | None = None
+    # Choices to generate from the one prompt (OpenAI's n): the engine computes the prompt once
+    # and forks the sequence when its first token is out; choice i samples with seed + i.
+    n: int = 1
+    # Return each prompt position's log-probability and this many most likely alternatives
+    # (vLLM's prompt_logprobs); None: none.
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 64
@@ -99,6 +106,9 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}"),
             (len(self.stop) <= self.MAX_STOP_STRINGS,
              f"at most {self.MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
@@ -109,6 +119,13 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+
+    def choice(self, index: int) -> SamplingParams:
+        """The settings of choice `index` of an n > 1 request: one choice, seed + index (the
+        prompt's logprobs, computed once, go with choice 0)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed,
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.core.block_manager import BlockManager
+from common.engine.core.sampling_params import SamplingParams
 from common.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from common.flags import opt
 
@@ -103,6 +104,37 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
 
+    def fork(self, parent: Sequence, request_id: str, params: SamplingParams,
+             choice_index: int) -> Sequence:
+        """Another choice of parent's request (n > 1), queued: the same prompt, no outputs, and
+        parent's full blocks of computed prompt tokens shared by reference count.
+
+            prompt:   | block 0 | block 1 | block 2 | partial |    (block_size 4, 14 tokens)
+            parent:   | b7      | b3      | b9      | b2      |    KV of every prompt token
+            child:    | b7      | b3      | b9      | new ... |    b7 b3 b9 referenced twice
+                      |<- num_computed ------------>|<- computed by the child: 2 tokens
+
+        The child computes the rest of the prompt itself, at least its last token (whose logits
+        give the child's own first token, drawn with its own seed), so the partial last block is
+        never shared: the child fills a block of its own. A prompt that ends on a block boundary
+        shares all but its last block, as a prefix-cache hit does. Shared blocks hold prompt
+        tokens only and nobody writes them again; each sequence drops its references when it
+        finishes, is preempted or aborted, and the block is free when the last one does."""
+        bs = self.bm.block_size
+        shared = min(min(parent.num_computed_tokens, parent.num_prompt_tokens - 1) // bs,
+                     len(parent.block_table))
+        child = Sequence(request_id, list(parent.prompt_token_ids), params,
+                         eos_token_ids=parent.eos_token_ids, arrival_time=parent.arrival_time,
+                         parent_id=parent.request_id, choice_index=choice_index)
+        child.block_table = parent.block_table[:shared]
+        self.bm.ref_blocks(child.block_table)
+        child.block_hashes = parent.block_hashes[:shared]
+        child.num_computed_tokens = shared * bs
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        self.add(child)
+        return child
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -158,7 +190,8 @@ class Scheduler:
             if seq is None:
                 break
             hit: list[int] = []
-            if seq.num_computed_tokens == 0:
+            # prompt_logprobs need the logits of every prompt position: no prefix hits.
+            if seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is None:
                 hit, hashes = self.bm.match_prefix(seq.token_ids)
             remaining = seq.num_tokens - len(hit) * self.bm.block_size
             num_new = min(remaining, budget)

@@ -59,6 +59,13 @@ class Sequence:
     grammar: Any = None
     # Keep the blocks when it finishes (a prefill service hands them off: engine.kv.held).
     hold_kv: bool = False
+    # n > 1: the request this sequence is a choice of (None for choice 0, the request itself)
+    # and its index among the request's choices (see Scheduler.fork).
+    parent_id: str | None = None
+    choice_index: int = 0
+    # prompt_logprobs: one entry per prompt token (None for the first, and for those not yet
+    # computed), filled as the prompt is computed; None once sent (or when not asked for).
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def is_ready(self) -> bool:
