@@ -23,12 +23,12 @@ from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics, StreamTimer
 from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
 from decode_service.handoff import HandoffInbox
-from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("splitserve.decode")
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, instance: ServiceInstance, inbox: HandoffInbox, metrics: DecodeMetrics):
         self.instance = instance
         self.inbox = inbox
@@ -104,11 +104,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                     context.time_remaining())
         return decode_pb2.DeliverResponse(accepted=accepted, reason=reason)
 
-    async def Abort(self, request: types_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> types_pb2.AbortResponse:
+    async def Abort(self, request: decode_pb2.DecodeServiceAbortRequest,
+                    context: grpc.aio.ServicerContext) -> decode_pb2.DecodeServiceAbortResponse:
         found = await asyncio.wrap_future(self.instance.loop.abort(request.request_id))
-        return types_pb2.AbortResponse(found=found)
+        return decode_pb2.DecodeServiceAbortResponse(found=found)
 
-    async def Stats(self, request: types_pb2.StatsRequest,
-                    context: grpc.aio.ServicerContext) -> types_pb2.InstanceStats:
-        return await self.instance.stats(num_pending_handoffs=len(self.inbox.pending))
+    async def Stats(self, request: decode_pb2.DecodeServiceStatsRequest,
+                    context: grpc.aio.ServicerContext) -> decode_pb2.DecodeServiceStatsResponse:
+        return decode_pb2.DecodeServiceStatsResponse(stats=await self.instance.stats(
+            num_pending_handoffs=len(self.inbox.pending)))

@@ -15,6 +15,9 @@ from common.serving.proto_convert import params_from_pb
 from common.text.tokenizer import Tokenizer
 from protos.splitserve.v1 import generation_pb2, types_pb2
 
+# Generate and GenerateStream take one request type each (buf's rule) with the same fields.
+GenerateRequest = generation_pb2.GenerateRequest | generation_pb2.GenerateStreamRequest
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_LEN = 256
 
@@ -45,7 +48,7 @@ class Frontend:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    def prepare(self, request: generation_pb2.GenerateRequest) -> PreparedRequest:
+    def prepare(self, request: GenerateRequest) -> PreparedRequest:
         self._check_model(request.model)
         if len(request.request_id) > MAX_REQUEST_ID_LEN:
             raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")

@@ -2,7 +2,7 @@
 
     route -> Decode (stream; reserves blocks for the KV and waits)  ---------------+
           -> Prefill (stream) -> first token to the client at once                 |
-                              -> Decode.Deliver, prefill to decode directly -> Decode stream:
+                              -> DecodeService.Deliver, prefill to decode directly -> Decode stream:
                                                                  the remaining tokens to the client
 
 Both calls go out at once, so the decode side's reservation overlaps the prefill, and nothing of
@@ -257,13 +257,15 @@ class Relay:
 
     def _abort_everywhere(self, handle: Inflight) -> None:
         """Tell every service the request reached to drop it (runs on after the client left)."""
-        request = types_pb2.AbortRequest(request_id=handle.internal_id)
+        rid = handle.internal_id
         targets = []
         if handle.prefill is not None:
-            targets.append(self.instances.prefill_stub(handle.prefill.address).Abort)
+            targets.append((self.instances.prefill_stub(handle.prefill.address).Abort,
+                            prefill_pb2.PrefillServiceAbortRequest(request_id=rid)))
         if handle.decode is not None:
-            targets.append(self.instances.decode_stub(handle.decode.address).Abort)
-        for abort in targets:
+            targets.append((self.instances.decode_stub(handle.decode.address).Abort,
+                            decode_pb2.DecodeServiceAbortRequest(request_id=rid)))
+        for abort, request in targets:
             task = asyncio.get_running_loop().create_task(_call_quietly(abort, request))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -62,8 +62,8 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
                                   resumable)
     server = GrpcServer(config.server.host, config.grpc_port, tls=tls,
                         interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
-    server.add(Service(servicer, generation_pb2_grpc.add_GenerationServicer_to_server,
-                       service_name(generation_pb2, "Generation")))
+    server.add(Service(servicer, generation_pb2_grpc.add_GenerationServiceServicer_to_server,
+                       service_name(generation_pb2, "GenerationService")))
     readiness = Readiness(instances, server)
     await server.start(serving=False)  # SERVING once a prefill and a decode instance are known
     http = None

@@ -21,17 +21,23 @@ from common.serving.grpc_util import status_of
 from common.serving.metrics import GatewayMetrics, StreamTimer
 from common.serving.proto_convert import FINISH_FROM_PB
 from gateway.config import GatewayConfig
-from gateway.frontend import Frontend
+from gateway.frontend import Frontend, GenerateRequest
 from gateway.instances import Instances
 from gateway.migration import Migrator
 from gateway.relay import Inflight
 from gateway.resume import ResumableStreams
-from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from protos.splitserve.v1 import (
+    decode_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+    types_pb2,
+)
 
 STATS_TIMEOUT_S = 2.0
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: GatewayConfig, frontend: Frontend, migrator: Migrator,
                  instances: Instances, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics,
                  resumable: ResumableStreams):
@@ -44,14 +50,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.inflight: dict[str, Inflight] = {}
         self.metrics = metrics
 
-    async def GenerateStream(self, request: generation_pb2.GenerateRequest,
+    async def GenerateStream(self, request: GenerateRequest,
                              context: grpc.aio.ServicerContext,
                              ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         async with contextlib.aclosing(self._client_stream(request, context)) as pieces:
             async for msg in pieces:
                 yield msg
 
-    def _client_stream(self, request: generation_pb2.GenerateRequest,
+    def _client_stream(self, request: GenerateRequest,
                        context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """What this call streams: a new request, a new resumable one, or a resumed one."""
@@ -64,7 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.resumable.open(request.request_id, self.stream(request, context.time_remaining()))
         return self.resumable.follow(request.request_id)
 
-    async def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float | None,
+    async def stream(self, request: GenerateRequest, timeout_s: float | None,
                      ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """One request through the stack; timeout_s None: --request-timeout-s."""
         arrival = time.monotonic()
@@ -85,7 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.observe_failed(status_of(exc)[0].name)
             raise
 
-    async def _stream(self, request: generation_pb2.GenerateRequest, arrival: float,
+    async def _stream(self, request: GenerateRequest, arrival: float,
                       timeout_s: float | None,
                       ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         if len(self.inflight) >= self.config.max_inflight:
@@ -106,7 +112,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             del self.inflight[req.request_id]
 
-    async def Generate(self, request: generation_pb2.GenerateRequest,
+    async def Generate(self, request: GenerateRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
         out = generation_pb2.GenerateResponse()
         texts: list[str] = []
@@ -139,12 +145,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_decode_instances=len(decodes), num_inflight=len(self.inflight))
         if request.include_instances:
             calls = [self.instances.prefill_stub(i.address).Stats(
-                types_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S) for i in prefills]
+                prefill_pb2.PrefillServiceStatsRequest(), timeout=STATS_TIMEOUT_S)
+                for i in prefills]
             calls += [self.instances.decode_stub(i.address).Stats(
-                types_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S) for i in decodes]
-            for stats in await asyncio.gather(*calls, return_exceptions=True):
-                if isinstance(stats, types_pb2.InstanceStats):
-                    out.instances.append(stats)
+                decode_pb2.DecodeServiceStatsRequest(), timeout=STATS_TIMEOUT_S)
+                for i in decodes]
+            for reply in await asyncio.gather(*calls, return_exceptions=True):
+                if not isinstance(reply, BaseException):
+                    out.instances.append(reply.stats)
         return out
 
     async def Abort(self, request: types_pb2.AbortRequest,

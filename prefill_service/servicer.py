@@ -24,12 +24,12 @@ from common.serving.metrics import PrefillMetrics
 from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
 from prefill_service.delivery import Deliveries
 from prefill_service.prefix_sync import PrefixSync
-from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
+from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, instance: ServiceInstance, source: KVSource, deliveries: Deliveries,
                  prefixes: PrefixSync, metrics: PrefillMetrics):
         self.instance = instance
@@ -98,17 +98,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if not delivering:  # ended, cancelled or failed before delivering: release now
                 loop.abort(rid)
 
-    async def Abort(self, request: types_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> types_pb2.AbortResponse:
+    async def Abort(self, request: prefill_pb2.PrefillServiceAbortRequest,
+                    context: grpc.aio.ServicerContext,
+                    ) -> prefill_pb2.PrefillServiceAbortResponse:
         rid = request.request_id
         if rid in self.handing_off:  # released when the delivery ends
-            return types_pb2.AbortResponse(found=True)
-        return types_pb2.AbortResponse(found=await asyncio.wrap_future(
+            return prefill_pb2.PrefillServiceAbortResponse(found=True)
+        return prefill_pb2.PrefillServiceAbortResponse(found=await asyncio.wrap_future(
             self.instance.loop.abort(rid)))
 
-    async def Stats(self, request: types_pb2.StatsRequest,
-                    context: grpc.aio.ServicerContext) -> types_pb2.InstanceStats:
-        return await self.instance.stats()
+    async def Stats(self, request: prefill_pb2.PrefillServiceStatsRequest,
+                    context: grpc.aio.ServicerContext,
+                    ) -> prefill_pb2.PrefillServiceStatsResponse:
+        return prefill_pb2.PrefillServiceStatsResponse(stats=await self.instance.stats())
 
     async def _hand_off(self, rid: str, block_ids: list[int], num_tokens: int,
                         block_hashes: list[int], first_token: int, decode_address: str,
