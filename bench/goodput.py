@@ -9,7 +9,7 @@ and registry (the command lines of splitserve.launch):
 - colocated: two decode services that prefill every prompt themselves (the gateway's
   --local-prefill-max-tokens above every prompt), each engine with --cpu-threads N;
 - disaggregated: one prefill and one decode service, each with --cpu-threads N; the prompt's KV
-  goes from one to the other (Decode.Deliver over shared memory on one host).
+  goes from one to the other (DecodeService.Deliver over shared memory on one host).
 
 (The stack needs a registered prefill instance to be ready, so the colocated one runs one too;
 it serves nothing, since no prompt is longer than the local-prefill limit.) On the 2-core box
@@ -102,7 +102,7 @@ class Stack:
 
     def wait_ready(self, timeout_s: float = 600) -> None:
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:

@@ -33,7 +33,7 @@ from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
 GAPS_MS = (0, 1, 10, 50, 200)
 
 
-class _Answer(prefill_pb2_grpc.PrefillServicer):
+class _Answer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request, context):
         yield prefill_pb2.PrefillResponse(request_id=request.request_id, first_token_id=5,
                                           queue_ms=0.1, compute_ms=1.0, instance_id="floor")
@@ -42,8 +42,8 @@ class _Answer(prefill_pb2_grpc.PrefillServicer):
 def _grpc_server(port: int) -> None:
     async def main() -> None:
         server = grpc_util.GrpcServer("127.0.0.1", port)
-        server.add(grpc_util.Service(_Answer(), prefill_pb2_grpc.add_PrefillServicer_to_server,
-                                     "splitserve.v1.Prefill"))
+        server.add(grpc_util.Service(_Answer(), prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+                                     "splitserve.v1.PrefillService"))
         await server.start()
         await server.server.wait_for_termination()
 
@@ -61,7 +61,7 @@ def _tcp_echo(port: int) -> None:
 def grpc_hops(port: int, gap_ms: float, n: int) -> dict:
     async def main() -> dict:
         channel = grpc_util.insecure_channel(f"127.0.0.1:{port}")
-        stub = prefill_pb2_grpc.PrefillStub(channel)
+        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
         request = prefill_pb2.PrefillRequest(
             request_id="r" * 41, prompt_token_ids=list(range(1000, 1064)),
             params=types_pb2.SamplingParams(max_tokens=32, temperature=0.0))

@@ -108,9 +108,9 @@ def in_process(engine: LLMEngine, prompt: list[int], max_tokens: int,
     return times, engine_ttft
 
 
-def through_stack(stub: generation_pb2_grpc.GenerationStub, prompt: list[int],
+def through_stack(stub: generation_pb2_grpc.GenerationServiceStub, prompt: list[int],
                   max_tokens: int) -> tuple[list[float], types_pb2.StageTimings]:
-    request = generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateStreamRequest(
         prompt_token_ids=generation_pb2.TokenIds(ids=prompt),
         params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     times = [time.perf_counter()]
@@ -147,7 +147,7 @@ def start_stack(args: argparse.Namespace, log_dir: Path):
                                                 extra=extra),
                                    stdout=log, stderr=log))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = generation_pb2_grpc.GenerationStub(channel)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
@@ -166,10 +166,10 @@ class Background:
     """Streams that keep the decode engine busy until stop() (each generates up to max_tokens:
     make that long enough to outlast the measurement)."""
 
-    def __init__(self, stub: generation_pb2_grpc.GenerationStub, prompts: list[list[int]],
+    def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub, prompts: list[list[int]],
                  max_tokens: int):
         self.received = [0] * len(prompts)
-        self.calls = [stub.GenerateStream(generation_pb2.GenerateRequest(
+        self.calls = [stub.GenerateStream(generation_pb2.GenerateStreamRequest(
             prompt_token_ids=generation_pb2.TokenIds(ids=p),
             params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                             ignore_eos=True)), timeout=600) for p in prompts]

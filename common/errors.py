@@ -123,7 +123,7 @@ class EngineDroppedRequest(RequestCancelledError):
 
 
 class ClientAborted(RequestCancelledError):
-    """Raised in the gateway's relay when the client called Generation.Abort for the request;
+    """Raised in the gateway's relay when the client called GenerationService.Abort for the request;
     the relay ends the client's stream with FINISH_REASON_ABORT and aborts it on each service."""
 
 

@@ -31,8 +31,8 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     inbox = HandoffInbox(registry, instance.loop, config.pull_timeout_s, metrics,
                          wait_s=config.deliver_wait_s, peer_check_s=config.peer_check_s, tls=tls)
     server.add(Service(DecodeServicer(instance, inbox, metrics),
-                       decode_pb2_grpc.add_DecodeServicer_to_server,
-                       service_name(decode_pb2, "Decode")))
+                       decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                       service_name(decode_pb2, "DecodeService")))
     listen = config.server
     metrics_server = metrics.serve(listen.host, listen.metrics_port,
                                    instance.health) if listen.metrics_port else None

@@ -40,8 +40,8 @@ class Instances:
         self._lists: dict[str, list[InstanceInfo]] = {k: [] for k in KINDS}
         self._read_at = -float("inf")
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._prefill: dict[str, prefill_pb2_grpc.PrefillStub] = {}
-        self._decode: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self._prefill: dict[str, prefill_pb2_grpc.PrefillServiceStub] = {}
+        self._decode: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
         self.on_refresh: list[Callable[[], Awaitable[object]]] = []
 
     async def get(self, kind: str) -> list[InstanceInfo]:
@@ -76,14 +76,14 @@ class Instances:
                 log.exception("reading the instance list from the registry failed")
             await asyncio.sleep(self.interval_s)
 
-    def prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+    def prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._prefill:
-            self._prefill[address] = prefill_pb2_grpc.PrefillStub(self._channel(address))
+            self._prefill[address] = prefill_pb2_grpc.PrefillServiceStub(self._channel(address))
         return self._prefill[address]
 
-    def decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
+    def decode_stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
         if address not in self._decode:
-            self._decode[address] = decode_pb2_grpc.DecodeStub(self._channel(address))
+            self._decode[address] = decode_pb2_grpc.DecodeServiceStub(self._channel(address))
         return self._decode[address]
 
     def _channel(self, address: str) -> grpc.aio.Channel:

@@ -6,7 +6,7 @@ covers only short prompts, so a prefill instance is needed all the same.
 `missing_kinds` is the rule, pure Python over the instance lists; `Readiness` applies it to the
 gateway's view (gateway/instances.py) after every read of the registry (the discovery round's, or
 one a request triggered) and every half discovery interval (a quarantine runs out without a read),
-and sets the gRPC health of the server ("") and of splitserve.v1.Generation to match; the HTTP
+and sets the gRPC health of the server ("") and of splitserve.v1.GenerationService to match; the HTTP
 /health answers from `report()`.
 """
 

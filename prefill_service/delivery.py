@@ -1,4 +1,4 @@
-"""Delivering a prompt's KV to the decode service that waits for it (Decode.Deliver).
+"""Delivering a prompt's KV to the decode service that waits for it (DecodeService.Deliver).
 
 Hold rule: a finished prompt's blocks are held (engine.kv.held, add_request's hold_kv) from its
 last step until its Deliver call ends, and released then, whatever the answer: the decode side has
@@ -38,7 +38,7 @@ class Deliveries:
         self.metrics = metrics
         self.tls = tls
         self.inflight: dict[str, asyncio.Task] = {}
-        self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self._stubs: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
@@ -77,12 +77,12 @@ class Deliveries:
     def delivering(self, request_id: str) -> bool:
         return request_id in self.inflight
 
-    def _stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
+    def _stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
             channel = grpc_util.channel(address, self.tls)
             self._channels.append(channel)
-            stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
+            stub = self._stubs[address] = decode_pb2_grpc.DecodeServiceStub(channel)
         return stub
 
     async def close(self) -> None:

@@ -1,5 +1,5 @@
 """Runs one prefill service: engine (KV pool in shared memory on CPU), gRPC server with the
-Prefill and KVTransfer services, registry record, KV deliveries, prefix index updates."""
+Prefill and KVTransferService services, registry record, KV deliveries, prefix index updates."""
 
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
     instance.heartbeat.on_reregister = lambda: setattr(prefixes, "republish", True)
     server.add(Service(PrefillServicer(instance, source, deliveries, prefixes, metrics),
-                       prefill_pb2_grpc.add_PrefillServicer_to_server,
-                       service_name(prefill_pb2, "Prefill")))
+                       prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+                       service_name(prefill_pb2, "PrefillService")))
     server.add(Service(KVTransferServicer(source),
-                       kv_transfer_pb2_grpc.add_KVTransferServicer_to_server,
-                       service_name(kv_transfer_pb2, "KVTransfer")))
+                       kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,
+                       service_name(kv_transfer_pb2, "KVTransferService")))
     listen = config.server
     metrics_server = metrics.serve(listen.host, listen.metrics_port,
                                    instance.health) if listen.metrics_port else None

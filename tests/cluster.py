@@ -22,9 +22,11 @@ from common.registry.embedded import free_port
 from common.serving.auth import bearer_metadata
 from common.serving.tls import PLAINTEXT, TlsConfig, sync_channel
 from protos.splitserve.v1 import (
+    decode_pb2,
     decode_pb2_grpc,
     generation_pb2,
     generation_pb2_grpc,
+    prefill_pb2,
     prefill_pb2_grpc,
     types_pb2,
 )
@@ -90,7 +92,7 @@ class Cluster:
             "gateway", registry_url=self.redis.url, namespace=self.namespace,
             port=self.gateway_port, model=model, extra=list(gateway_flags)))
         self.channel = sync_channel(f"127.0.0.1:{self.gateway_port}", client_tls)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     # ---- processes ------------------------------------------------------------------------------
     def _launch(self, slot: str, argv: list[str]) -> subprocess.Popen:
@@ -168,12 +170,14 @@ class Cluster:
     def stats(self) -> dict[str, types_pb2.InstanceStats]:
         """Stats of every registered instance, asked directly."""
         out = {}
-        for kind, stub_cls in (("prefill", prefill_pb2_grpc.PrefillStub),
-                               ("decode", decode_pb2_grpc.DecodeStub)):
+        for kind, stub_cls, ask in (
+                ("prefill", prefill_pb2_grpc.PrefillServiceStub,
+                 prefill_pb2.PrefillServiceStatsRequest()),
+                ("decode", decode_pb2_grpc.DecodeServiceStub,
+                 decode_pb2.DecodeServiceStatsRequest())):
             for info in self.registry.list_instances(kind):
                 with sync_channel(info.address, self.internal_tls) as channel:
-                    out[info.instance_id] = stub_cls(channel).Stats(types_pb2.StatsRequest(),
-                                                                    timeout=2.0)
+                    out[info.instance_id] = stub_cls(channel).Stats(ask, timeout=2.0).stats
         return out
 
     def wait_idle(self, timeout_s: float) -> dict[str, int]:

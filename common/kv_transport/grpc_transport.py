@@ -1,4 +1,4 @@
-"""grpc: the transport that works across hosts. The prefill service serves KVTransfer (see
+"""grpc: the transport that works across hosts. The prefill service serves KVTransferService (see
 protos/splitserve/v1/kv_transfer.proto) from its pool; a receiver pulls the blocks as a stream of
 chunks into a host buffer, then copies them into its pool.
 
@@ -45,10 +45,10 @@ def _export_bytes(source: KVExporter, block_ids: list[int]) -> tuple[memoryview,
     return memoryview(kv.view(-1).view(torch.uint8).numpy()), kv
 
 
-class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     """Serves a source's blocks. The source is a KVSource (or anything with export_kv that is safe
     to call from a worker thread). Register with
-    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, aio_server)."""
+    kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, aio_server)."""
 
     def __init__(self, source: KVExporter):
         self._source = source
@@ -69,7 +69,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         total = len(data)
         for offset in range(0, total, chunk):
             first = offset == 0
-            yield kv_transfer_pb2.KVChunk(
+            yield kv_transfer_pb2.PullBlocksResponse(
                 offset=offset, data=bytes(data[offset:offset + chunk]), total_bytes=total,
                 shape=list(kv.shape) if first else [], dtype=dtype_name(kv.dtype) if first else "")
 
@@ -83,9 +83,9 @@ class GrpcTransport(KVTransport):
             raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.tls = tls
-        self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVTransferStub]] = {}
+        self._channels: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KVTransferServiceStub]] = {}
 
-    def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
+    def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferServiceStub:
         if address not in self._channels:
             limit = self.chunk_bytes + (1 << 20)
             try:
@@ -93,7 +93,7 @@ class GrpcTransport(KVTransport):
                                        options=[("grpc.max_receive_message_length", limit)])
             except OSError as e:  # a TLS file went away since start-up
                 raise TransferError(f"cannot dial {address} over TLS: {e}") from e
-            self._channels[address] = (channel, kv_transfer_pb2_grpc.KVTransferStub(channel))
+            self._channels[address] = (channel, kv_transfer_pb2_grpc.KVTransferServiceStub(channel))
         return self._channels[address][1]
 
     def _pull(self, desc: HandoffDescriptor, info: dict[str, Any], dst_pool: torch.Tensor,

@@ -55,7 +55,7 @@ def select_transport(desc: HandoffDescriptor, receiver_host_id: str,
 class KVReceiver:
     """Pulls handoffs into a pool over whichever transport suits each source (one transport
     object per name, created on first use, keeping its per-source state). tls: the receiving
-    process's TlsConfig, with which grpc dials sources that serve KVTransfer over TLS."""
+    process's TlsConfig, with which grpc dials sources that serve KVTransferService over TLS."""
 
     def __init__(self, host: str | None = None, timeout_s: float = 30.0,
                  tls: TlsConfig = PLAINTEXT):

@@ -2,7 +2,7 @@
 that can reach it, serves export_kv for the gRPC servicer, and fills in handoff descriptors.
 
 Offers: "local" always (the pool enters this process's table), "shm" when the pool was made by a
-SharedMemoryPool, "cuda_ipc" when it is on a GPU, "grpc" when an address serving KVTransfer is
+SharedMemoryPool, "cuda_ipc" when it is on a GPU, "grpc" when an address serving KVTransferService is
 given. The descriptor lists them all; each receiver picks by locality (select.select_transport).
 """
 
@@ -33,7 +33,7 @@ class KVSource:
                  address: str = "", shm: SharedMemoryPool | None = None,
                  host: str | None = None):
         """pool: the engine's kv_cache. address: host:port of the gRPC server where this process
-        serves KVTransfer ("" = no grpc offer). shm: the allocator that made pool, if any.
+        serves KVTransferService ("" = no grpc offer). shm: the allocator that made pool, if any.
         host: override for locality.host_id()."""
         check_pool(pool)
         if shm is not None and shm.tensor is not pool:

@@ -1,5 +1,5 @@
 """Records as JSON (pure Python): service instances, which the registry stores, and KV handoff
-descriptors, which a prefill service sends to a decode service with Decode.Deliver.
+descriptors, which a prefill service sends to a decode service with DecodeService.Deliver.
 
 Both records tolerate fields they do not know (dropped on decode), so services of two versions can
 share one registry during a rolling upgrade.
@@ -70,7 +70,7 @@ class HandoffDescriptor:
 
     request_id: str
     source_instance: str
-    source_address: str          # host:port of the source's gRPC server (serves KVTransfer)
+    source_address: str          # host:port of the source's gRPC server (serves KVTransferService)
     source_host_id: str          # locality.host_id() of the source machine
     model: str
     dtype: str                   # torch dtype name without "torch.", e.g. "bfloat16"

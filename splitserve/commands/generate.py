@@ -30,23 +30,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     AuthConfig.add_cli_args(parser)  # the key to send
 
 
-def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+def build_request(args: argparse.Namespace) -> generation_pb2.GenerateStreamRequest:
     params = types_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                       top_p=args.top_p, stop=args.stop)
     if args.seed is not None:
         params.seed = args.seed
     if not args.chat:
-        return generation_pb2.GenerateRequest(prompt=args.prompt, params=params)
+        return generation_pb2.GenerateStreamRequest(prompt=args.prompt, params=params)
     messages = [generation_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     messages.append(generation_pb2.ChatMessage(role="user", content=args.prompt))
-    return generation_pb2.GenerateRequest(
+    return generation_pb2.GenerateStreamRequest(
         messages=generation_pb2.ChatMessages(messages=messages), params=params)
 
 
 def run(args: argparse.Namespace) -> int:
     metadata = bearer_metadata(AuthConfig.from_cli_args(args).client_key())
     with sync_channel(args.gateway, TlsConfig.from_cli_args(args)) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             for msg in stub.GenerateStream(build_request(args), timeout=args.timeout_s,
                                            metadata=metadata):

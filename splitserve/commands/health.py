@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", nargs="?", default="127.0.0.1:50051",
                         help="gRPC address host:port to health-check (ignored with --http)")
     parser.add_argument("--service", default="",
-                        help="service to ask about, e.g. splitserve.v1.Generation ('' = the "
+                        help="service to ask about, e.g. splitserve.v1.GenerationService ('' = the "
                              "whole server)")
     parser.add_argument("--http", default=None, metavar="URL",
                         help="probe this HTTP URL instead (e.g. http://127.0.0.1:8000/health)")

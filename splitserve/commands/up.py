@@ -231,7 +231,7 @@ def _wait_ready(address: str, num_prefill: int, num_decode: int,
     from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc
     deadline = time.monotonic() + START_TIMEOUT_S
     with sync_channel(address, tls) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError("a service exited during start-up")

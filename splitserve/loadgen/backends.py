@@ -86,17 +86,17 @@ class GrpcBackend(Backend):
         self.address = address
         self.timeout_s = timeout_s
         self.channel: grpc.aio.Channel | None = None
-        self.stub: generation_pb2_grpc.GenerationStub | None = None
+        self.stub: generation_pb2_grpc.GenerationServiceStub | None = None
 
     async def start(self) -> None:
         self.channel = insecure_channel(self.address)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10.0)
 
     async def send(self, request: BenchRequest, result: RequestResult) -> None:
         assert self.stub is not None, "start() first"
         clock = _Clock(result)
-        msg = generation_pb2.GenerateRequest(
+        msg = generation_pb2.GenerateStreamRequest(
             prompt_token_ids=generation_pb2.TokenIds(ids=request.prompt_token_ids),
             params=types_pb2.SamplingParams(max_tokens=request.max_tokens, temperature=0.0,
                                             ignore_eos=True))

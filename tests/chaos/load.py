@@ -20,8 +20,8 @@ class Spec:
     prompt: list[int]
     max_tokens: int
 
-    def request(self) -> generation_pb2.GenerateRequest:
-        return generation_pb2.GenerateRequest(
+    def request(self) -> generation_pb2.GenerateStreamRequest:
+        return generation_pb2.GenerateStreamRequest(
             request_id=self.request_id, prompt_token_ids=generation_pb2.TokenIds(ids=self.prompt),
             params=types_pb2.SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
                                             ignore_eos=True))
@@ -39,7 +39,7 @@ class Outcome:
 
 
 class Load:
-    def __init__(self, stub: generation_pb2_grpc.GenerationStub, *, concurrency: int, seed: int,
+    def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub, *, concurrency: int, seed: int,
                  vocab_size: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int],
                  timeout_s: float):
         self.stub = stub

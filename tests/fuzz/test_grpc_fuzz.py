@@ -61,7 +61,7 @@ def outcome(fn, request, stream: bool = True, timeout: float = 30.0) -> tuple[ob
 
 def raw_stream(cluster: Cluster):
     return cluster.channel.unary_stream(
-        "/splitserve.v1.Generation/GenerateStream", request_serializer=None,
+        "/splitserve.v1.GenerationService/GenerateStream", request_serializer=None,
         response_deserializer=generation_pb2.GenerateStreamResponse.FromString)
 
 
@@ -219,6 +219,6 @@ def test_other_methods_with_junk(cluster):
                             stream=False)
     assert (code, details) == (BAD, "dummy:tiny-llama has no tokenizer: send prompt_token_ids")
     unary = cluster.channel.unary_unary(
-        "/splitserve.v1.Generation/Generate", request_serializer=None,
+        "/splitserve.v1.GenerationService/Generate", request_serializer=None,
         response_deserializer=generation_pb2.GenerateResponse.FromString)
     assert outcome(unary, b"\xff\xff\xff", stream=False)[0] == BAD

@@ -41,7 +41,7 @@ def test_readiness_follows_registry_and_quarantine(registry: Registry):
         quarantine = Quarantine(5.0, clock=lambda: now[0])
         instances = Instances(registry, 0.1, quarantine=quarantine)
         server = GrpcServer("127.0.0.1", 0)
-        server.service_names.append("splitserve.v1.Generation")
+        server.service_names.append("splitserve.v1.GenerationService")
         readiness = Readiness(instances, server)
         await server.start(serving=False)
         try:
@@ -57,7 +57,7 @@ def test_readiness_follows_registry_and_quarantine(registry: Registry):
             # at once: a request that found both instances never meets a NOT_SERVING probe.
             assert await instances.get("decode")
             assert readiness.ready and readiness.report()["status"] == "ready"
-            for service in ("", "splitserve.v1.Generation"):
+            for service in ("", "splitserve.v1.GenerationService"):
                 assert await _health(server.port, service) == "SERVING"
 
             quarantine.add("p0")  # its call failed and it did not answer a health check
@@ -71,7 +71,7 @@ def test_readiness_follows_registry_and_quarantine(registry: Registry):
             await instances.refresh()
             assert not await readiness.update()
             assert readiness.report()["missing"] == ["decode"]
-            assert await _health(server.port, "splitserve.v1.Generation") == "NOT_SERVING"
+            assert await _health(server.port, "splitserve.v1.GenerationService") == "NOT_SERVING"
         finally:
             await server.stop(0)
             await instances.close()

@@ -108,7 +108,7 @@ def test_completions_structured_outputs_regex_choice_grammar(client: openai.Open
 
 
 def test_grpc_oneof_json_schema_and_choice(stack: Stack):
-    request = generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateStreamRequest(
         prompt="A person as JSON:", params=types_pb2.SamplingParams(
             max_tokens=64, temperature=0.0, json_schema=json.dumps(PERSON)))
     text = "".join(m.text for m in stack.stub.GenerateStream(request, timeout=300.0))

@@ -44,7 +44,7 @@ def busy_decode(cluster: Cluster) -> str | None:
 
 
 def test_killed_decode_mid_stream_output_still_validates(cluster: Cluster):
-    request = generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateStreamRequest(
         request_id="structured-migrate", prompt="Forty numbers as a JSON array:",
         params=types_pb2.SamplingParams(max_tokens=400, temperature=0.0,
                                         json_schema=json.dumps(SCHEMA)))
@@ -64,3 +64,24 @@ def test_killed_decode_mid_stream_output_still_validates(cluster: Cluster):
     value = json.loads(text)
     jsonschema.validate(value, SCHEMA)
     assert len(value) == 40
+
+
+def test_killed_decode_mid_stream_of_n_choices_is_unavailable(cluster: Cluster):
+    """n > 1 is not migrated once tokens went out (docs/ARCHITECTURE.md): the client gets
+    UNAVAILABLE saying so, and retries. Runs last: it kills the last spare decode service."""
+    import grpc
+    request = generation_pb2.GenerateStreamRequest(
+        request_id="choices-migrate", prompt="Count to a thousand:",
+        params=types_pb2.SamplingParams(max_tokens=300, temperature=0.8, seed=5, n=2,
+                                        ignore_eos=True))
+    received, killed = 0, None
+    with pytest.raises(grpc.RpcError) as err:
+        for msg in cluster.stub.GenerateStream(request, timeout=300):
+            received += len(msg.token_ids)
+            if killed is None and received >= 10:
+                killed = wait_until("a decode running the request",
+                                    lambda: busy_decode(cluster), 30)
+                cluster.kill(killed)
+    assert killed is not None
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "n=2 is not migrated after its first tokens" in err.value.details()

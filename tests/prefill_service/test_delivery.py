@@ -1,4 +1,4 @@
-"""Deliveries: a prompt's held blocks go to the decode service over Decode.Deliver and are released
+"""Deliveries: a prompt's held blocks go to the decode service over DecodeService.Deliver and are released
 when that call ends, whatever its answer, and never before it ends (a real decode servicer and
 its HandoffInbox on a gRPC server in this process, two real engines, the local transport)."""
 
@@ -47,8 +47,8 @@ async def serve_decode(inbox: HandoffInbox) -> GrpcServer:
     server = GrpcServer("127.0.0.1", 0)
     # Deliver needs only the inbox; the Decode RPC itself is not called here.
     server.add(Service(DecodeServicer(None, inbox, inbox.metrics),
-                       decode_pb2_grpc.add_DecodeServicer_to_server,
-                       service_name(decode_pb2, "Decode")))
+                       decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                       service_name(decode_pb2, "DecodeService")))
     await server.start(serving=True)
     return server
 

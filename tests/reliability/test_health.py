@@ -28,7 +28,7 @@ ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256
                 "--cpu-threads", "1"]
 TTL_S = 1.5
 SERVICE_FLAGS = ["--heartbeat-ttl-s", str(TTL_S)]
-GENERATION = "splitserve.v1.Generation"
+GENERATION = "splitserve.v1.GenerationService"
 
 
 def http_health(url: str) -> tuple[int, dict]:
@@ -53,8 +53,8 @@ def health_command(*args: str) -> tuple[int, str]:
     return done.returncode, done.stdout.strip()
 
 
-def request(max_tokens: int = 8) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
+def request(max_tokens: int = 8) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
         prompt_token_ids=generation_pb2.TokenIds(ids=[5, 6, 7, 8, 9]),
         params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 

@@ -41,7 +41,7 @@ def test_grpc_burst_of_ten_times_capacity(cluster):
     barrier = threading.Barrier(10 * CAPACITY)
 
     def one(i: int) -> tuple[str, float, int]:
-        req = generation_pb2.GenerateRequest(
+        req = generation_pb2.GenerateStreamRequest(
             request_id=f"burst-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=[5 + i, 6, 7]),
             params=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                             ignore_eos=True))

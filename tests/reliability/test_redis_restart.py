@@ -26,8 +26,8 @@ SERVICE_FLAGS = ["--heartbeat-ttl-s", "1.5"]
 MAX_TOKENS = 120
 
 
-def request(i: int) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
+def request(i: int) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
         request_id=f"r{i}", prompt_token_ids=generation_pb2.TokenIds(ids=[7 + i] * (5 + 9 * i)),
         params=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 

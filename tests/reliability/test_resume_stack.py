@@ -28,15 +28,15 @@ def cluster(tmp_path_factory):
         c.close()
 
 
-def request(request_id: str, resumable: bool = True) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
+def request(request_id: str, resumable: bool = True) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
         request_id=request_id, resumable=resumable,
         prompt_token_ids=generation_pb2.TokenIds(ids=[11, 12, 13, 14, 15]),
         params=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
-def resume(request_id: str, received: int) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
+def resume(request_id: str, received: int) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
         request_id=request_id, resume=generation_pb2.Resume(num_tokens_received=received))
 
 
@@ -44,7 +44,7 @@ def tokens(msgs) -> list[int]:
     return [t for m in msgs for t in m.token_ids]
 
 
-def first_tokens(cluster: Cluster, req: generation_pb2.GenerateRequest, n: int) -> list[int]:
+def first_tokens(cluster: Cluster, req: generation_pb2.GenerateStreamRequest, n: int) -> list[int]:
     """Read at least n tokens, then drop the connection."""
     call = cluster.stub.GenerateStream(req, timeout=60)
     got: list[int] = []

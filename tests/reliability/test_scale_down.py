@@ -62,7 +62,7 @@ def reference() -> list[list[int]]:
     return [o.output_token_ids for o in outs]
 
 
-def stream(stub: generation_pb2_grpc.GenerationStub, out: Outcome) -> None:
+def stream(stub: generation_pb2_grpc.GenerationServiceStub, out: Outcome) -> None:
     try:
         for msg in stub.GenerateStream(out.spec.request(), timeout=120):
             out.tokens.extend(msg.token_ids)

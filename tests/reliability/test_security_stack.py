@@ -18,7 +18,13 @@ from common.serving.auth import MISSING, WRONG, bearer_metadata
 from common.serving.instance import InstanceConfig
 from common.serving.tls import PLAINTEXT, TlsConfig, sync_channel
 from gateway.config import GatewayConfig
-from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2_grpc, types_pb2
+from protos.splitserve.v1 import (
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    types_pb2,
+)
 from tests.certs import make_ca, make_leaf
 from tests.cluster import Cluster
 
@@ -29,6 +35,7 @@ ENGINE_FLAGS = ["--device", "cpu", "--num-kv-blocks", "128"]
 REQUEST = generation_pb2.GenerateRequest(
     prompt_token_ids=generation_pb2.TokenIds(ids=[5, 6, 7, 8]),
     params=types_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+STREAM_REQUEST = generation_pb2.GenerateStreamRequest.FromString(REQUEST.SerializeToString())
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +79,7 @@ def test_missing_or_wrong_key_is_unauthenticated(secure):
     cluster, _, _ = secure
     for metadata, why in (((), MISSING), (bearer_metadata("sk-wrong"), WRONG)):
         with pytest.raises(grpc.RpcError) as err:
-            list(cluster.stub.GenerateStream(REQUEST, timeout=10, metadata=metadata))
+            list(cluster.stub.GenerateStream(STREAM_REQUEST, timeout=10, metadata=metadata))
         assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, why)
         with pytest.raises(grpc.RpcError) as err:
             cluster.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10,
@@ -90,7 +97,7 @@ def test_plaintext_and_unverified_clients_are_refused(secure):
     rogue_ca = make_ca(d, "rogue-ca")
     for tls in (PLAINTEXT, TlsConfig(tls_ca=str(rogue_ca.cert_path))):
         with sync_channel(gateway, tls) as channel, pytest.raises(grpc.RpcError) as err:
-            generation_pb2_grpc.GenerationStub(channel).Generate(
+            generation_pb2_grpc.GenerationServiceStub(channel).Generate(
                 REQUEST, timeout=3, metadata=bearer_metadata(KEY))
         assert err.value.code() in (grpc.StatusCode.UNAVAILABLE,
                                     grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -102,7 +109,8 @@ def test_plaintext_and_unverified_clients_are_refused(secure):
                          tls_ca=str(ca.cert_path)))
     for tls in callers:
         with sync_channel(prefill, tls) as channel, pytest.raises(grpc.RpcError) as err:
-            prefill_pb2_grpc.PrefillStub(channel).Stats(types_pb2.StatsRequest(), timeout=3)
+            prefill_pb2_grpc.PrefillServiceStub(channel).Stats(
+                prefill_pb2.PrefillServiceStatsRequest(), timeout=3)
         assert err.value.code() in (grpc.StatusCode.UNAVAILABLE,
                                     grpc.StatusCode.DEADLINE_EXCEEDED)
 

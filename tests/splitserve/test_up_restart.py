@@ -33,7 +33,7 @@ ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512
                 "--max-num-batched-tokens", "64", "--cpu-threads", "1"]
 
 
-def stream(stub: generation_pb2_grpc.GenerationStub, spec: Spec, out: Outcome) -> None:
+def stream(stub: generation_pb2_grpc.GenerationServiceStub, spec: Spec, out: Outcome) -> None:
     try:
         for msg in stub.GenerateStream(spec.request(), timeout=120):
             out.tokens.extend(msg.token_ids)
@@ -81,7 +81,7 @@ def test_up_restarts_a_killed_service(tmp_path, case):
              "--restart-backoff-s", "0.2"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = generation_pb2_grpc.GenerationStub(channel)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
     children: list[psutil.Process] = []
     try:
         wait_until("up is up", lambda: up.poll() is None and b"splitserve is up"

@@ -48,7 +48,7 @@ class Stack:
             port=self.gateway_port, metrics_port=self.metrics_ports["gateway"],
             http_port=self.http_port))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gateway_port}")
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     def gateway_argv(self, port: int, namespace: str | None = None,
                      extra: tuple[str, ...] = ()) -> list[str]:

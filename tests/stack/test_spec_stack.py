@@ -45,7 +45,7 @@ def test_ngram_speculation_through_the_services_is_lossless(spec_stack, model_ca
                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)).result()
 
     def run(i: int) -> list[int]:
-        req = generation_pb2.GenerateRequest(
+        req = generation_pb2.GenerateStreamRequest(
             request_id=f"spec-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=prompts[i]),
             params=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
         return [t for m in spec_stack.stub.GenerateStream(req, timeout=300) for t in m.token_ids]

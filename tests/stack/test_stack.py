@@ -47,7 +47,7 @@ def generate(engine: LLMEngine, prompts: list[list[int]],
         return pool.submit(engine.generate, prompts, params).result()
 
 
-def build_requests(tok) -> list[tuple[generation_pb2.GenerateRequest, list[int]]]:
+def build_requests(tok) -> list[tuple[generation_pb2.GenerateStreamRequest, list[int]]]:
     """32 requests (chat, raw text, token ids; two with a stop string) and their prompt ids."""
     out = []
     for i in range(32):
@@ -59,14 +59,14 @@ def build_requests(tok) -> list[tuple[generation_pb2.GenerateRequest, list[int]]
             text = f"Tell me one fact about {topic}." + " Be brief." * (i % 5)
             ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
                              add_special_tokens=False)
-            req = generation_pb2.GenerateRequest(messages=chat(text), params=params)
+            req = generation_pb2.GenerateStreamRequest(messages=chat(text), params=params)
         elif i % 3 == 1:
             text = f"A short story about {topic} (part {i}):" + " Once upon a time" * (i % 4)
             ids = tok.encode(text)
-            req = generation_pb2.GenerateRequest(prompt=text, params=params)
+            req = generation_pb2.GenerateStreamRequest(prompt=text, params=params)
         else:
             ids = tok.encode(f"List {i} words related to {topic}:" * (1 + i % 6))
-            req = generation_pb2.GenerateRequest(
+            req = generation_pb2.GenerateStreamRequest(
                 prompt_token_ids=generation_pb2.TokenIds(ids=ids), params=params)
         req.request_id = f"show1-{i}"
         out.append((req, ids))
@@ -109,7 +109,7 @@ def test_same_long_prompt_goes_to_the_prefill_holding_its_prefix(stack, referenc
     tok = reference.tokenizer
     ids = tok.encode("The history of the printing press, told slowly. " * 80)[:801]
     assert len(ids) == 801
-    request = generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateStreamRequest(
         prompt_token_ids=generation_pb2.TokenIds(ids=ids),
         params=types_pb2.SamplingParams(max_tokens=4, temperature=0.0))
     first, second = stream(stack, request), stream(stack, request)
@@ -121,8 +121,8 @@ def test_same_long_prompt_goes_to_the_prefill_holding_its_prefix(stack, referenc
         [ids], SamplingParams(max_tokens=4, temperature=0.0))[0].output_token_ids
 
 
-def long_request(request_id: str, max_tokens: int = 400) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
+def long_request(request_id: str, max_tokens: int = 400) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
         request_id=request_id, prompt="Count from one to a thousand: one, two, three,",
         params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
@@ -139,7 +139,7 @@ def test_cancelling_a_stream_frees_blocks_on_both_services_within_1s(stack):
 
 def test_cancelling_during_prefill_frees_its_blocks_within_1s(stack, reference):
     ids = reference.tokenizer.encode("A very long preamble about nothing at all. " * 120)
-    request = generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateStreamRequest(
         prompt_token_ids=generation_pb2.TokenIds(ids=ids),
         params=types_pb2.SamplingParams(max_tokens=8, temperature=0.0))
     call = stack.stub.GenerateStream(request, timeout=60)
@@ -166,7 +166,7 @@ def test_deadline_exceeded_frees_blocks(stack):
 
 
 def test_invalid_requests_get_invalid_argument(stack):
-    bad = generation_pb2.GenerateRequest(prompt="hi", params=types_pb2.SamplingParams(top_p=0))
+    bad = generation_pb2.GenerateStreamRequest(prompt="hi", params=types_pb2.SamplingParams(top_p=0))
     with pytest.raises(grpc.RpcError) as err:
         stream(stack, bad)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -201,9 +201,9 @@ def test_every_service_serves_health_and_reflection(stack):
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
             services = {s.name for s in reply.list_services_response.service}
             role = name.split("-")[0]
-            want = {"gateway": {"splitserve.v1.Generation"},
-                    "prefill": {"splitserve.v1.Prefill", "splitserve.v1.KVTransfer"},
-                    "decode": {"splitserve.v1.Decode"}}[role]
+            want = {"gateway": {"splitserve.v1.GenerationService"},
+                    "prefill": {"splitserve.v1.PrefillService", "splitserve.v1.KVTransferService"},
+                    "decode": {"splitserve.v1.DecodeService"}}[role]
             assert want | {"grpc.health.v1.Health"} <= services, name
 
 
@@ -218,7 +218,7 @@ def test_backpressure_and_no_instances(stack):
     for name, port in (("small", small), ("empty", empty)):
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         grpc.channel_ready_future(channel).result(timeout=30)
-        stubs[name] = generation_pb2_grpc.GenerationStub(channel)
+        stubs[name] = generation_pb2_grpc.GenerationServiceStub(channel)
     print(f"two extra gateways serving after {time.monotonic() - start:.1f} s")
     first = stubs["small"].GenerateStream(long_request("hog", max_tokens=200), timeout=60)
     next(first)
@@ -241,8 +241,8 @@ def test_short_prompts_prefilled_on_the_decode_service(stack, reference):
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         grpc.channel_ready_future(channel).result(timeout=30)
         ids = reference.tokenizer.encode("Why is the sky blue?")
-        msgs = list(generation_pb2_grpc.GenerationStub(channel).GenerateStream(
-            generation_pb2.GenerateRequest(
+        msgs = list(generation_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+            generation_pb2.GenerateStreamRequest(
                 prompt_token_ids=generation_pb2.TokenIds(ids=ids),
                 params=types_pb2.SamplingParams(max_tokens=8, temperature=0.0)), timeout=60))
     want = generate(reference, [ids], SamplingParams(max_tokens=8, temperature=0.0))[0]

@@ -67,7 +67,7 @@ class TlsStack:
             model=MODEL, extra=self.leaves["gateway"].tls(self.ca).to_argv()))
         self.channel = sync_channel(f"127.0.0.1:{gateway_port}",
                                     TlsConfig(tls_ca=str(self.ca.cert_path)))
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     def _argv(self, role: str, extra: list[str]) -> list[str]:
         return service_argv(role, registry_url=self.redis.url, namespace=self.namespace,

@@ -39,7 +39,7 @@ class AioServer:
     async def _start(self, servicer: KVTransferServicer,
                      tls: TlsConfig) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, server)
         port = add_port(server, "127.0.0.1:0", tls)
         await server.start()
         return server, port
@@ -152,7 +152,7 @@ def test_unreachable_source_is_a_transfer_error() -> None:
     source.close()
 
 
-# ---- TLS: the KVTransfer service on a TLS (or mTLS) server, as a prefill service serves it -----
+# ---- TLS: the KVTransferService service on a TLS (or mTLS) server, as a prefill service serves it -----
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Issuer | Leaf]:

@@ -1,5 +1,5 @@
 """One handoff's data path without the services: describe, the descriptor through its JSON (as
-Decode.Deliver carries it), pull into other block ids, verify."""
+DecodeService.Deliver carries it), pull into other block ids, verify."""
 
 from __future__ import annotations
 
