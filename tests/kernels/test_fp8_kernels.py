@@ -1,0 +1,222 @@
+"""FP8 (e4m3fn) in the kernels: per-token quantization, the W8A8 GEMM (torch._scaled_mm, GPU
+only), the batch-1 GEMVs reading fp8 weights with their row scales, and the K/V store and the
+attention kernels on an fp8 pool, each against kernels.torch_ops (the CPU path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import fp8_linear, kv_store, torch_ops
+from kernels.decode_attention import paged_attention_decode
+from kernels.extend_attention import paged_attention_extend
+from kernels.fused_gemv import act_linear, norm_linear
+from kernels.fused_qkv import norm_qkv_rotary_store
+from kernels.skinny_gemm import skinny_linear
+
+F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+EPS = 1e-5
+# One e4m3 step is 2^-3 of the value's power of two: rounding moves a value by at most half
+# of that, 1/16 relative.
+E4M3_STEP = 2.0 ** -3
+
+
+def _assert_fp8_close(got: torch.Tensor, want: torch.Tensor, device: str) -> None:
+    """got within one e4m3 step of want. On the CPU the Triton interpreter (3.x) converts to
+    e4m3 without carrying a mantissa that rounds up into the exponent: 1.9375 comes out 1.0, so
+    a value whose nearest e4m3 is a power of two 2^e may come out 2^(e-1); that case alone is
+    accepted there (the GPU tests hold the compiled conversion to exactness)."""
+    g, w = got.float(), want.float()
+    ok = (g - w).abs() <= w.abs() * E4M3_STEP + 2.0 ** -9
+    if device == "cpu":
+        ok |= (g * 2 == w) & (torch.frexp(w).mantissa.abs() == 0.5)
+    assert ok.all(), f"{(~ok).sum().item()} values off: {g[~ok][:4]} vs {w[~ok][:4]}"
+
+
+def _fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = torch_ops.quantize_rows(torch.randn(n, k, device=device) * k ** -0.5)
+    return q, scale.view(-1)
+
+
+def test_quantize_rows_reference() -> None:
+    """Scale = amax / 448 per row; dequantized values within half an e4m3 step; saturation
+    instead of NaN; an all-zero row keeps a positive scale."""
+    x = torch.randn(8, 256) * torch.logspace(-3, 3, 8)[:, None]
+    x[3] = 0.0
+    q, scale = torch_ops.quantize_rows(x)
+    assert q.dtype == FP8 and scale.shape == (8, 1) and scale.dtype == F32
+    amax = x.abs().amax(1, keepdim=True)
+    assert torch.equal(scale[amax > 0], (amax / 448.0)[amax > 0])
+    assert scale[3].item() == pytest.approx(torch_ops.FP8_MIN_SCALE, rel=1e-6)
+    assert not q.float().isnan().any()
+    back = q.float() * scale
+    assert torch.equal(back.abs().amax(1), amax.view(-1))   # the row's amax maps to 448 exactly
+    assert ((back - x).abs() <= x.abs() * E4M3_STEP / 2 + scale * 2.0 ** -9).all()
+    assert torch.equal(torch_ops.to_fp8(torch.tensor([1e4, -1e4])).float(),
+                       torch.tensor([448.0, -448.0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_per_token(device: str) -> None:
+    m, k = (5, 96) if device == "cpu" else (300, 4096)
+    x = (torch.randn(m, k, device=device) * 4).to(BF16)
+    x[1] = 0
+    q, scale = fp8_linear.quantize_per_token(x)
+    want_q, want_scale = torch_ops.quantize_rows(x)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    if device == "cuda":
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    else:
+        _assert_fp8_close(q, want_q, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [2, 17, 256, 1000])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_scaled_mm_linear(m: int, n: int, k: int, check_rel) -> None:
+    """torch._scaled_mm with row-wise scales = the float32 product of the same fp8 values
+    (only the summation order and the bf16 output rounding differ)."""
+    q, scale = _fp8_weight(n, k, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    bias = torch.randn(n, device="cuda", dtype=BF16)
+    assert fp8_linear.supports(x, q)
+    out = fp8_linear.fp8_linear(x, q, scale, bias)
+    assert out.shape == (m, n) and out.dtype == BF16
+    check_rel(out.float(), torch_ops.fp8_linear(x.float(), q, scale, bias).float(), 6e-3)
+    # Against the bf16 product of the unquantized activations: what per-token quantization
+    # costs (e4m3 keeps 3 mantissa bits: ~2-3% rms relative on Gaussian data).
+    exact = torch_ops.linear(x, torch_ops.dequantize_rows(q, scale, BF16), bias)
+    check_rel(out.float(), exact.float(), 5e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_skinny_linear_fp8_weight(device: str, check_rel) -> None:
+    n, k, dtype = (40, 96, F32) if device == "cpu" else (4096, 4096, BF16)
+    q, scale = _fp8_weight(n, k, device)
+    x = torch.randn(1, k, device=device).to(dtype)
+    bias = torch.randn(n, device=device).to(dtype)
+    want = torch_ops.linear(x, torch_ops.dequantize_rows(q, scale, dtype), bias)
+    check_rel(skinny_linear(x, q, bias, weight_scale=scale).float(), want.float(),
+              1e-5 if dtype == F32 else 8e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gemvs_fp8_weight(device: str, check_rel) -> None:
+    n, k, dtype = (40, 96, F32) if device == "cpu" else (6144, 4096, BF16)
+    tol = 1e-5 if dtype == F32 else 1.5e-2
+    q, scale = _fp8_weight(n, k, device)
+    w = torch_ops.dequantize_rows(q, scale, dtype)
+    h, res = (torch.randn(1, k, device=device).to(dtype) for _ in range(2))
+    g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    out, new_res = norm_linear(h, res, g, EPS, q, None, weight_scale=scale)
+    want, want_res = norm_linear(h, res, g, EPS, w, None)
+    check_rel(out.float(), want.float(), tol)
+    assert torch.equal(new_res, want_res)
+    gate_up = torch.randn(1, 2 * k, device=device).to(dtype)
+    check_rel(act_linear(gate_up, q, None, weight_scale=scale).float(),
+              act_linear(gate_up, w, None).float(), tol)
+
+
+def _paged(seq_lens: list[int], kv_heads: int, d: int, device: str, make_paged
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8 pools (values up to ~+-8, so every e4m3 range is used) and their block tables."""
+    k, v, tables = make_paged(seq_lens, 16, kv_heads, d, F32, device)
+    return torch_ops.to_fp8(k * 3), torch_ops.to_fp8(v * 3), tables
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_fp8_pool(device: str, make_paged, check_rel) -> None:
+    """The kernel reads the fp8 pool as the reference does (a cast: scale 1.0)."""
+    (h, kvh, d), lens = ((4, 2, 32), [1, 40, 17]) if device == "cpu" else \
+        ((32, 8, 128), [4096, 1, 1000, 2500])
+    dtype = F32 if device == "cpu" else BF16
+    k, v, tables = _paged(lens, kvh, d, device, make_paged)
+    q = torch.randn(len(lens), h, d, device=device).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_attention_decode(q, k, v, tables, seq_lens, d ** -0.5)
+    want = torch_ops.paged_attention_decode(q.float(), k, v, tables, seq_lens, d ** -0.5)
+    check_rel(out.float(), want, 1e-5 if dtype == F32 else 1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_attention_fp8_pool(device: str, make_paged, check_rel) -> None:
+    (h, kvh, d), lens, q_lens = ((4, 2, 32), [20, 9], [5, 9]) if device == "cpu" else \
+        ((32, 8, 128), [1500, 700], [300, 700])
+    dtype = F32 if device == "cpu" else BF16
+    k, v, tables = _paged(lens, kvh, d, device, make_paged)
+    q = torch.randn(sum(q_lens), h, d, device=device).to(dtype)
+    qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_attention_extend(q, k, v, tables, qsl, seq_lens, d ** -0.5)
+    want = torch_ops.paged_attention_extend(q.float(), k, v, tables, qsl, seq_lens, d ** -0.5)
+    check_rel(out.float(), want, 1e-5 if dtype == F32 else 1e-2)
+
+
+def _assert_fp8_equal(got: torch.Tensor, want: torch.Tensor, device: str) -> None:
+    if device == "cuda":  # round to nearest even, saturating, as torch's cast after the clamp
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    else:
+        _assert_fp8_close(got, want, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_store_into_fp8_pool(device: str) -> None:
+    """store_kv and rotary_store_kv write saturated e4m3 (values beyond 448 included), slots
+    of -1 write nothing, and the reference store agrees."""
+    kvh, d = 2, 32
+    k = torch.randn(3, kvh, d, device=device) * 200
+    v = torch.randn(3, kvh, d, device=device)
+    slots = torch.tensor([0, -1, 9], device=device)
+    got_k = torch.zeros(4, 4, kvh, d, device=device, dtype=FP8)
+    got_v = torch.zeros_like(got_k)
+    want_k, want_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
+    kv_store.store_kv(k, v, got_k, got_v, slots)
+    torch_ops.store_kv(k, v, want_k, want_v, slots)
+    assert want_k.float().abs().max() == 448.0 and not want_k.float().isnan().any()
+    _assert_fp8_equal(got_k, want_k, device)
+    _assert_fp8_equal(got_v, want_v, device)
+    assert not got_k.view(torch.uint8).view(16, kvh, d)[[1, 2, 3, 4, 5, 6, 7, 8]].any()
+
+    q = torch.randn(3, 4, d, device=device)
+    pos = torch.tensor([3, 70, 5], device=device)
+    freqs = torch.arange(100, device=device, dtype=F32)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, d, 2, device=device, dtype=F32) / d))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    got_k.zero_()
+    kv_store.rotary_store_kv(q, k, v, pos, cos_sin, got_k, got_v, slots)
+    _, rot_k = torch_ops.apply_rotary(q, k, pos, cos_sin)
+    want_k.zero_()
+    torch_ops.store_kv(rot_k, v, want_k, want_v, slots)
+    _assert_fp8_equal(got_k, want_k, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_qkv_fp8_weight_and_pool(device: str, check_rel) -> None:
+    """norm + qkv GEMV on an fp8 weight, rotary, and the new K/V into an fp8 pool: the same as
+    the bf16/fp32 weights dequantized, through the unfused reference, stored as e4m3."""
+    heads, kvh, d, k = (4, 2, 16, 64) if device == "cpu" else (32, 8, 128, 4096)
+    dtype = F32 if device == "cpu" else BF16
+    n = (heads + 2 * kvh) * d
+    q8, scale = _fp8_weight(n, k, device)
+    w = torch_ops.dequantize_rows(q8, scale, dtype)
+    h, res = (torch.randn(1, k, device=device).to(dtype) for _ in range(2))
+    g = torch.ones(k, device=device, dtype=dtype)
+    freqs = torch.arange(600, device=device, dtype=F32)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, d, 2, device=device, dtype=F32) / d))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    pos, slot = torch.tensor([517], device=device), torch.tensor([13], device=device)
+    kc, vc = (torch.zeros(6, 4, kvh, d, device=device, dtype=FP8) for _ in range(2))
+    got_q, _ = norm_qkv_rotary_store(h, res, g, EPS, q8, None, pos, cos_sin, kc, vc, slot,
+                                     heads, weight_scale=scale)
+    ref_kc, ref_vc = (torch.zeros(6, 4, kvh, d, device=device, dtype=dtype) for _ in range(2))
+    want_q, _ = norm_qkv_rotary_store(h, res, g, EPS, w, None, pos, cos_sin, ref_kc, ref_vc,
+                                      slot, heads)
+    tol = 1e-5 if dtype == F32 else 1.5e-2
+    check_rel(got_q.float(), want_q.float(), tol)
+    # The pool holds the e4m3 rounding of what the full-precision pool got (one step apart at
+    # most where the two GEMVs' float32 sums round to opposite sides of a boundary).
+    for got, want in ((kc, ref_kc), (vc, ref_vc)):
+        _assert_fp8_close(got[3, 1], torch_ops.to_fp8(want[3, 1]), device)
+        assert got.float().count_nonzero() == got[3, 1].float().count_nonzero()
