@@ -39,6 +39,7 @@ import torch
 from common.errors import HandoffNotFoundError, InvalidRequestError, PeerGoneError, TransferError
 from common.kv_transport.select import KVReceiver
 from common.registry import HandoffDescriptor, Registry
+from common.serving import tracing
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import DecodeMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
@@ -180,9 +181,11 @@ class HandoffInbox:
 
     # ---- the Deliver call's side --------------------------------------------------------------
     async def deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
-                      time_remaining_s: float | None) -> tuple[bool, str]:
+                      time_remaining_s: float | None, span: tracing.Span = tracing.NO_SPAN,
+                      ) -> tuple[bool, str]:
         """Pull a delivered KV into the reserved blocks and verify it: (accepted, reason). When
-        not accepted the waiting Decode call, if any, recomputes the prompt."""
+        not accepted the waiting Decode call, if any, recomputes the prompt. span: the pull's
+        transport, bytes and rate go on it (common/serving/tracing.py)."""
         arrived = time.monotonic()
         if request_id in self.gone:
             raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
@@ -215,10 +218,10 @@ class HandoffInbox:
             if self.loop.engine.kv_cache.is_cuda and desc.source_host_id == self.receiver.host:
                 # On one host a GPU pull is a copy and a checksum kernel, ~0.5 ms: done here, as
                 # the hop to the pull thread and back cost more (waiting for the GIL).
-                reason = self._pull(desc, blocks, after, deadline)
+                reason = self._pull(desc, blocks, after, deadline, span)
             else:
                 reason = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._pull, desc, blocks, after, deadline)
+                    self._executor, self._pull, desc, blocks, after, deadline, span)
         finally:
             slot.pulling = False
             slot.blocks = []  # from here on this call hands them on or frees them
@@ -235,7 +238,7 @@ class HandoffInbox:
         return True, ""
 
     def _pull(self, desc: HandoffDescriptor, blocks: list[int], after: torch.cuda.Event | None,
-              deadline: float | None) -> str:
+              deadline: float | None, span: tracing.Span) -> str:
         """The pull thread's part: copy and verify; "" when the KV may be used, else why not."""
         start = time.monotonic()
         pool = self.loop.engine.kv_cache
@@ -252,6 +255,10 @@ class HandoffInbox:
         self.transports_used[name] = self.transports_used.get(name, 0) + 1
         block_bytes = pool.numel() // pool.shape[2] * pool.element_size()
         self.metrics.observe_handoff(name, len(blocks) * block_bytes, done - start)
+        span.set_attributes({"splitserve.transport": name, "splitserve.blocks": len(blocks),
+                             "splitserve.bytes": len(blocks) * block_bytes,
+                             "splitserve.gb_per_s": len(blocks) * block_bytes / 1e9
+                             / max(done - start, 1e-9)})
         log.debug("handoff %s via %s: pull+verify %.2f ms", desc.request_id, name,
                   1e3 * (done - start))
         return ""

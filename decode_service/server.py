@@ -8,6 +8,7 @@ import logging
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.registry import Registry
+from common.serving import tracing
 from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics
@@ -27,6 +28,7 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     engine = LLMEngine(engine_config)
     server = GrpcServer(config.server.host, config.port, tls=tls)
     instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
+    tracing.configure("decode", config.server.otlp_endpoint, instance.instance_id)
     metrics = DecodeMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
     inbox = HandoffInbox(registry, instance.loop, config.pull_timeout_s, metrics,
                          wait_s=config.deliver_wait_s, peer_check_s=config.peer_check_s, tls=tls)
@@ -44,6 +46,7 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     finally:
         await instance.stop(server, config.server.shutdown_grace_s, [maintain],
                             close=[inbox.close, *([metrics_server.close] if metrics_server else [])])
+        tracing.shutdown()
 
 
 async def _maintain(instance: ServiceInstance, interval_s: float) -> None:

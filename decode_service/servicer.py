@@ -18,10 +18,17 @@ import grpc
 from common.engine.engine import Prefilled
 from common.errors import InvalidRequestError
 from common.registry import HandoffDescriptor
+from common.serving import tracing
 from common.serving.engine_loop import AsyncOutputStream
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics, StreamTimer
-from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
+from common.serving.proto_convert import (
+    FINISH_TO_PB,
+    logprobs_to_pb,
+    ms,
+    params_from_pb,
+    prompt_logprobs_to_pb,
+)
 from decode_service.handoff import HandoffInbox
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 
@@ -45,31 +52,51 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         stream = AsyncOutputStream()
         start = time.monotonic()
         timer = StreamTimer(start)
+        span = tracing.start("decode", tracing.context_from(context.invocation_metadata()),
+                             kind=tracing.SpanKind.SERVER,
+                             attributes={"splitserve.request_id": rid,
+                                         "splitserve.source": request.WhichOneof("source")})
         self.instance.num_inflight += 1
         finished = False
+        joined = None
         try:
             prefilled, reserve_ms, handoff_ms = await self._take_over(request, prompt)
+            if prefilled is not None:
+                at = tracing.record_stages(span, start, [("decode.reserve", reserve_ms)])
+                tracing.record("decode.wait_kv", span, at, time.monotonic(),
+                               {"splitserve.recomputed": prefilled.block_ids is None})
             await asyncio.wrap_future(loop.submit(rid, prompt, params, stream, prefilled,
                                                   list(request.output_token_ids)))
+            # n > 1: each choice's messages carry its index; a choice's last message its
+            # finish_reason; the stream ends after every choice's (out.last).
             joined = time.monotonic()
-            first = True
+            started: set[int] = set()  # n > 1: the choices that sent a message
             async for out in stream:
                 self.metrics.observe_tokens(timer, len(out.new_token_ids), time.monotonic())
                 if out.finished:
                     self.metrics.observe_finished(timer, out.metrics, time.monotonic())
+                first = not started
                 # The first token's text, as this engine's stop-string matcher saw it.
-                text = out.text if first and request.handoff.include_first_text else out.new_text
-                finished = out.finished
+                text = (out.text if out.index not in started
+                        and request.handoff.include_first_text else out.new_text)
+                started.add(out.index)
+                finished = out.last
                 yield decode_pb2.DecodeResponse(
                     token_ids=out.new_token_ids, text=text,
-                    finish_reason=FINISH_TO_PB[out.finish_reason if finished else None],
+                    finish_reason=FINISH_TO_PB[out.finish_reason if out.finished else None],
                     num_cached_tokens=out.num_cached_tokens,
                     handoff_ms=handoff_ms if first else 0.0,
                     reserve_ms=reserve_ms if first else 0.0,
                     decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id,
-                    logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()])
-                first = False
+                    logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()],
+                    index=out.index, prompt_logprobs=prompt_logprobs_to_pb(out.prompt_logprobs))
+        except BaseException as e:
+            tracing.failed(span, repr(e))
+            raise
         finally:
+            if joined is not None:
+                tracing.record("decode.generate", span, joined, time.monotonic())
+            span.end()
             self.instance.num_inflight -= 1
             if not finished:
                 loop.abort(rid)
@@ -99,9 +126,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             desc = HandoffDescriptor.from_json(request.descriptor_json)
         except (ValueError, TypeError, KeyError) as e:
             raise InvalidRequestError(f"descriptor_json: {e}") from e
-        accepted, reason = await self.inbox.deliver(request.request_id, desc,
-                                                    request.first_token_id,
-                                                    context.time_remaining())
+        span = tracing.start("handoff.pull", tracing.context_from(context.invocation_metadata()),
+                             kind=tracing.SpanKind.SERVER,
+                             attributes={"splitserve.request_id": request.request_id})
+        try:
+            accepted, reason = await self.inbox.deliver(request.request_id, desc,
+                                                        request.first_token_id,
+                                                        context.time_remaining(), span)
+        except BaseException as e:
+            tracing.failed(span, repr(e))
+            raise
+        else:
+            if not accepted:
+                tracing.failed(span, reason)
+        finally:
+            span.end()
         return decode_pb2.DeliverResponse(accepted=accepted, reason=reason)
 
     async def Abort(self, request: decode_pb2.DecodeServiceAbortRequest,

@@ -10,6 +10,10 @@ and count them as outputs for max/min tokens, penalties and seeded draws, so no 
 or skipped and the output equals an undisturbed run's, sampled or not. Once migrated, the gateway
 writes the text itself (TextReplay), so stop strings see the whole output.
 
+A request with n > 1 is retried only before any token reached the client; after that a failure
+ends it UNAVAILABLE (its choices would each need a continuation of their own), and the client
+retries it.
+
 Which failures are retried: UNAVAILABLE from an internal call (the service died or is shutting
 down), an unreachable registry, and no instance being registered. The failed instance is probed
 (gRPC health); if it does not answer SERVING it goes into quarantine (no request is routed there
@@ -75,6 +79,7 @@ class Delivery:
         self.replay: TextReplay | None = None
         self.pending_text = ""  # text of delivered tokens the client has not seen yet
         self.finished = False
+        self.unfinished = req.params.n  # choices whose finish has not been passed on
 
     def continuation(self) -> PreparedRequest:
         """The request that generates what the client still lacks: the same prompt and
@@ -114,7 +119,8 @@ class Delivery:
             self.ttft_ms = ms(time.monotonic() - self.arrival)
         self.token_ids.extend(msg.token_ids)
         self.text += msg.text
-        if msg.finish_reason:
+        self.unfinished -= bool(msg.finish_reason)
+        if msg.finish_reason and not self.unfinished:
             self.finished = True
             if self.migrations:
                 self._fix_totals(msg)
@@ -179,11 +185,17 @@ class Migrator:
             except (grpc.aio.AioRpcError, SplitserveError, redis.RedisError) as exc:
                 if handle.aborted or not _retryable(exc):
                     raise
+                if delivery.token_ids and req.params.n > 1:
+                    # The continuation carries one choice's outputs; n of them would need
+                    # a DecodeRequest per choice (not built): the client retries the request.
+                    self.counters.gave_up += 1
+                    raise _unavailable(exc, f"a request with n={req.params.n} is not migrated "
+                                            "after its first tokens; retry it") from exc
                 failures += 1
-                failed = handle.current
+                failed, why = handle.current, _describe(exc)
                 log.warning("request %s: %s failed after %d tokens (%s); failure %d of %d "
                             "allowed", req.request_id, failed.instance_id if failed else "routing",
-                            len(delivery.token_ids), _describe(exc), failures,
+                            len(delivery.token_ids), why, failures,
                             self.policy.max_retries)
                 if failed is not None:
                     await self._probe(failed)
@@ -193,11 +205,16 @@ class Migrator:
                 if not await self._wait_for_instances(delivery, handle, deadline):
                     self.counters.gave_up += 1
                     raise _unavailable(exc, "no instance is left to resume the request") from exc
+            what = {"splitserve.failed_instance": failed.instance_id if failed else "",
+                    "splitserve.tokens_sent": len(delivery.token_ids),
+                    "splitserve.error": why}
             if delivery.token_ids:
                 self.counters.migrations += 1
                 delivery.start_migration()
+                handle.span.add_event("migration", what)
             else:
                 self.counters.retries += 1
+                handle.span.add_event("retry", what)
             attempt = delivery.continuation()
             handle.internal_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
             handle.prefill = handle.decode = handle.current = None

@@ -28,6 +28,7 @@ import redis
 from common.engine.core.block_manager import hash_prefix_blocks
 from common.errors import ClientAborted, DeadlineExceededError, ServiceError
 from common.registry import InstanceInfo, Registry
+from common.serving import tracing
 from common.serving.proto_convert import ms
 from gateway.config import GatewayConfig
 from gateway.frontend import PreparedRequest
@@ -52,6 +53,8 @@ class Inflight:
     current: InstanceInfo | None = None
     calls: list[grpc.aio.Call] = field(default_factory=list)
     aborted: bool = False
+    # The request's span (common/serving/tracing.py): the services' spans are its children.
+    span: tracing.Span = tracing.NO_SPAN
 
     def abort(self) -> None:
         self.aborted = True
@@ -113,6 +116,7 @@ class Relay:
         st = _Progress(arrival, types_pb2.Usage(prompt_tokens=len(req.prompt_token_ids)),
                        types_pb2.StageTimings())
         decode: InstanceInfo | None = None
+        route = tracing.start("gateway.route", handle.span)
         try:
             decode = await self._pick_decode(req.prompt_token_ids, req.params.max_tokens)
             self.router.acquire(decode.instance_id)  # counted from now, so a burst spreads out
@@ -120,12 +124,15 @@ class Relay:
             st.timings.decode_instance = decode.instance_id
             local = len(req.known_token_ids) <= self.config.local_prefill_max_tokens
             source: dict = {"prefill_locally": True}
+            route.set_attribute("splitserve.decode_instance", decode.instance_id)
             if not local:
                 prefill = await self._pick_prefill(req.known_token_ids)
                 handle.check()
                 handle.prefill = handle.current = prefill
                 source = {"handoff": decode_pb2.Handoff(include_first_text=bool(req.params.stop),
                                                         prefill_instance_id=prefill.instance_id)}
+                route.set_attribute("splitserve.prefill_instance", prefill.instance_id)
+            route.end()
             # Opened first: with a handoff it reserves blocks while the prefill queues and computes.
             stream = self._decode(req, handle, decode, source, deadline)
             async with aclosing(stream):
@@ -147,6 +154,8 @@ class Relay:
                 raise
             yield st.final(req.request_id, types_pb2.FINISH_REASON_ABORT)
         finally:
+            if route.is_recording():  # routing failed
+                route.end()
             if decode is not None:
                 self.router.release(decode.instance_id)
             if not st.completed:
@@ -181,15 +190,21 @@ class Relay:
                     return
                 # With stop strings the first token's text comes from the decode side, whose
                 # matcher sees what follows it (the prefill side had to flush held-back text).
+                # n > 1: this is choice 0's first token (the prefill service reports no finish
+                # for it; the decode service, which forks the other choices, does).
                 yield generation_pb2.GenerateStreamResponse(
                     request_id=req.request_id, token_ids=[resp.first_token_id],
-                    text="" if req.params.stop else resp.first_text, logprobs=first_logprobs)
+                    text="" if req.params.stop else resp.first_text, logprobs=first_logprobs,
+                    prompt_logprobs=resp.prompt_logprobs)
         raise ServiceError(grpc.StatusCode.INTERNAL,
                            f"prefill {prefill.instance_id} ended without delivering the KV")
 
     async def _decode_stage(self, stream: _DecodeCall, local: bool,
                             st: _Progress, req: PreparedRequest,
                             ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """The decode service's messages; with n > 1 each choice's last one carries its
+        finish reason, and the stream ends with the last choice's (usage and timings)."""
+        unfinished = req.params.n
         async for msg in stream:
             if not st.timings.ttft_ms and msg.token_ids:
                 st.timings.ttft_ms = ms(time.monotonic() - st.arrival)
@@ -198,14 +213,19 @@ class Relay:
                 st.timings.handoff_ms = msg.handoff_ms
             if local:
                 st.usage.num_cached_tokens = msg.num_cached_tokens
-            if msg.finish_reason:
+            unfinished -= bool(msg.finish_reason)
+            if msg.finish_reason and not unfinished:
                 st.timings.decode_ms = msg.decode_ms
-                yield st.final(req.request_id, msg.finish_reason, msg.token_ids, msg.text,
-                               msg.logprobs)
+                final = st.final(req.request_id, msg.finish_reason, msg.token_ids, msg.text,
+                                 msg.logprobs)
+                final.index = msg.index
+                final.prompt_logprobs.extend(msg.prompt_logprobs)
+                yield final
                 return
             yield generation_pb2.GenerateStreamResponse(
                 request_id=req.request_id, token_ids=msg.token_ids, text=msg.text,
-                logprobs=msg.logprobs)
+                logprobs=msg.logprobs, index=msg.index, finish_reason=msg.finish_reason,
+                prompt_logprobs=msg.prompt_logprobs)
 
     async def _pick_decode(self, prompt: list[int], max_tokens: int) -> InstanceInfo:
         return self.router.pick_decode(await self.instances.get("decode"),
@@ -232,7 +252,7 @@ class Relay:
                 request_id=handle.internal_id, prompt_token_ids=req.prompt_token_ids,
                 params=req.params_pb, decode_instance_id=decode.instance_id,
                 output_token_ids=req.output_token_ids, decode_address=decode.address),
-            timeout=_remaining(deadline))
+            timeout=_remaining(deadline), metadata=tracing.metadata_for(handle.span))
         handle.calls.append(call)
         self.router.acquire(prefill.instance_id)
         try:
@@ -251,7 +271,7 @@ class Relay:
                                      prompt_token_ids=req.prompt_token_ids,
                                      params=req.params_pb,
                                      output_token_ids=req.output_token_ids, **source),
-            timeout=_remaining(deadline))
+            timeout=_remaining(deadline), metadata=tracing.metadata_for(handle.span))
         handle.calls.append(call)
         return _DecodeCall(call, handle)
 

@@ -8,6 +8,7 @@ import logging
 import time
 
 from common.registry import Registry
+from common.serving import tracing
 from common.serving.auth import NO_AUTH, ApiKeyInterceptor, ApiKeyMiddleware, AuthConfig
 from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.serving.metrics import GatewayMetrics
@@ -33,11 +34,12 @@ log = logging.getLogger("splitserve.gateway")
 
 def build_frontend(config: GatewayConfig) -> tuple[Frontend, tuple[int, ...]]:
     if config.model.startswith("dummy:"):
-        return Frontend(config.model_name, None, 0, 0), ()
+        return Frontend(config.model_name, None, 0, 0, max_n=config.max_n), ()
     files = wait_for_model_files(config.model, config.model_cache_dir, config.tokenizer,
                                  config.model_wait_s)
     tokenizer = Tokenizer.from_dir(files.directory)
-    frontend = Frontend(config.model_name, tokenizer, files.max_model_len, files.vocab_size)
+    frontend = Frontend(config.model_name, tokenizer, files.max_model_len, files.vocab_size,
+                        max_n=config.max_n)
     return frontend, tokenizer.eos_token_ids
 
 
@@ -45,6 +47,7 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
                 auth: AuthConfig = NO_AUTH) -> None:
     registry = Registry(config.registry.url, config.registry.namespace)
     registry.ping()
+    tracing.configure("gateway", config.server.otlp_endpoint)
     keys = auth.keys()
     frontend, eos_token_ids = await asyncio.to_thread(build_frontend, config)
     quarantine = Quarantine(config.quarantine_s)
@@ -97,6 +100,7 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
         discovery.cancel()
         health.cancel()
         await asyncio.gather(discovery, health, return_exceptions=True)
+        tracing.shutdown()
         await instances.close()
         registry.close()
         log.info("gateway stopped in %.1f s", time.monotonic() - stopping)

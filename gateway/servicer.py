@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.errors import InvalidRequestError, OverloadedError, ServiceError
+from common.serving import tracing
 from common.serving.grpc_util import status_of
 from common.serving.metrics import GatewayMetrics, StreamTimer
 from common.serving.proto_convert import FINISH_FROM_PB
@@ -63,36 +64,47 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """What this call streams: a new request, a new resumable one, or a resumed one."""
         if request.HasField("resume"):
             return self.resumable.follow(request.request_id, request.resume.num_tokens_received)
+        parent = tracing.context_from(context.invocation_metadata())
         if not request.resumable:
-            return self.stream(request, context.time_remaining())
+            return self.stream(request, context.time_remaining(), parent)
         if not request.request_id:
             raise InvalidRequestError("a resumable request needs a request_id to reconnect with")
-        self.resumable.open(request.request_id, self.stream(request, context.time_remaining()))
+        self.resumable.open(request.request_id,
+                            self.stream(request, context.time_remaining(), parent))
         return self.resumable.follow(request.request_id)
 
     async def stream(self, request: GenerateRequest, timeout_s: float | None,
+                     parent: tracing.Context | None = None,
                      ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        """One request through the stack; timeout_s None: --request-timeout-s."""
+        """One request through the stack; timeout_s None: --request-timeout-s. parent: the
+        caller's trace context (None: the request's trace starts here)."""
         arrival = time.monotonic()
         timer = StreamTimer(arrival)
+        span = tracing.start("gateway.request", parent, kind=tracing.SpanKind.SERVER)
         try:
-            async with contextlib.aclosing(self._stream(request, arrival, timeout_s)) as pieces:
+            async with contextlib.aclosing(
+                    self._stream(request, arrival, timeout_s, span)) as pieces:
                 async for msg in pieces:
                     now = time.monotonic()
                     self.metrics.observe_tokens(timer, len(msg.token_ids), now)
-                    if msg.finish_reason:
+                    if msg.finish_reason and msg.HasField("usage"):  # the last (n > 1)
                         self.metrics.observe_finished(timer, FINISH_FROM_PB[msg.finish_reason],
                                                       msg.usage.prompt_tokens, now)
+                        tracing.finished(span, msg.usage, msg.finish_reason)
                     yield msg
         except asyncio.CancelledError:
             self.metrics.observe_failed(grpc.StatusCode.CANCELLED.name)
+            tracing.failed(span, grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as exc:
             self.metrics.observe_failed(status_of(exc)[0].name)
+            tracing.failed(span, f"{status_of(exc)[0].name}: {exc}")
             raise
+        finally:
+            span.end()
 
     async def _stream(self, request: GenerateRequest, arrival: float,
-                      timeout_s: float | None,
+                      timeout_s: float | None, span: tracing.Span,
                       ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         if len(self.inflight) >= self.config.max_inflight:
             raise OverloadedError(f"the gateway is serving its limit of "
@@ -101,7 +113,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if req.request_id in self.inflight:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {req.request_id!r} is already in flight")
-        handle = Inflight(req.request_id, f"{req.request_id}-{uuid.uuid4().hex[:8]}")
+        handle = Inflight(req.request_id, f"{req.request_id}-{uuid.uuid4().hex[:8]}",
+                          span=span)
+        span.set_attributes({"splitserve.request_id": req.request_id,
+                             "splitserve.prompt_tokens": len(req.prompt_token_ids)})
         self.inflight[req.request_id] = handle
         deadline = arrival + (self.config.request_timeout_s if timeout_s is None else timeout_s)
         try:
@@ -115,17 +130,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request: GenerateRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
         out = generation_pb2.GenerateResponse()
-        texts: list[str] = []
+        choices: dict[int, generation_pb2.GeneratedChoice] = {}
         async for msg in self.GenerateStream(request, context):
             out.request_id = msg.request_id
-            out.token_ids.extend(msg.token_ids)
-            out.logprobs.extend(msg.logprobs)
-            texts.append(msg.text)
+            out.prompt_logprobs.extend(msg.prompt_logprobs)
+            choice = choices.setdefault(msg.index, generation_pb2.GeneratedChoice(index=msg.index))
+            choice.token_ids.extend(msg.token_ids)
+            choice.logprobs.extend(msg.logprobs)
+            choice.text += msg.text
             if msg.finish_reason:
-                out.finish_reason = msg.finish_reason
+                choice.finish_reason = msg.finish_reason
+            if msg.HasField("usage"):
                 out.usage.CopyFrom(msg.usage)
                 out.timings.CopyFrom(msg.timings)
-        out.text = "".join(texts)
+        first = choices.get(0, generation_pb2.GeneratedChoice())
+        out.token_ids.extend(first.token_ids)
+        out.logprobs.extend(first.logprobs)
+        out.text, out.finish_reason = first.text, first.finish_reason
+        if len(choices) > 1:
+            out.choices.extend(choices[i] for i in sorted(choices))
         return out
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,

@@ -42,25 +42,26 @@ class Deliveries:
         self._channels: list[grpc.aio.Channel] = []
 
     async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
-                      ) -> tuple[bool, str, float]:
+                      metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bool, str, float]:
         """Deliver held blocks and release them: (accepted, reason, ms). Cancelling the caller
-        leaves the delivery running; it releases the blocks when it ends."""
+        leaves the delivery running; it releases the blocks when it ends. metadata: sent with
+        the call (the trace context)."""
         rid = desc.request_id
         task = asyncio.get_running_loop().create_task(self._deliver(desc, first_token_id,
-                                                                    address))
+                                                                    address, metadata))
         self.inflight[rid] = task
         task.add_done_callback(lambda _: self.inflight.pop(rid, None))
         return await asyncio.shield(task)
 
     async def _deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
-                       ) -> tuple[bool, str, float]:
+                       metadata: tuple[tuple[str, str], ...]) -> tuple[bool, str, float]:
         start = time.monotonic()
         try:
             reply = await self._stub(address).Deliver(
                 decode_pb2.DeliverRequest(request_id=desc.request_id,
                                           first_token_id=first_token_id,
                                           descriptor_json=desc.to_json()),
-                timeout=self.lease_s)
+                timeout=self.lease_s, metadata=metadata)
             accepted, reason = reply.accepted, reply.reason
         except grpc.aio.AioRpcError as e:
             accepted, reason = False, f"Deliver to {address}: {e.code().name}: {e.details()}"

@@ -13,6 +13,7 @@ from common.kv_transport.shm import SharedMemoryPool
 from common.kv_transport.shm_sweep import sweep_stale_pools
 from common.kv_transport.source import KVSource
 from common.registry import Registry
+from common.serving import tracing
 from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
@@ -42,6 +43,7 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     engine = LLMEngine(engine_config, kv_cache_allocator=shm)
     server = GrpcServer(config.server.host, config.port, tls=tls)
     instance = ServiceInstance("prefill", config, engine, registry, config.address(server.port))
+    tracing.configure("prefill", config.server.otlp_endpoint, instance.instance_id)
     source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
                       address=instance.address, shm=shm)
     metrics = PrefillMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
@@ -70,6 +72,7 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
         await instance.stop(server, config.server.shutdown_grace_s, background, drain=drain,
                             close=[metrics_server.close] if metrics_server else [],
                             close_after_engine=[source.close, *([shm.close] if shm else [])])
+        tracing.shutdown()
 
 
 async def _maintain(instance: ServiceInstance, prefixes: PrefixSync,

@@ -18,10 +18,17 @@ import grpc
 
 from common.errors import InvalidRequestError
 from common.kv_transport.source import KVSource
+from common.serving import tracing
 from common.serving.engine_loop import AsyncOutputStream
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
-from common.serving.proto_convert import FINISH_TO_PB, logprobs_to_pb, ms, params_from_pb
+from common.serving.proto_convert import (
+    FINISH_TO_PB,
+    logprobs_to_pb,
+    ms,
+    params_from_pb,
+    prompt_logprobs_to_pb,
+)
 from prefill_service.delivery import Deliveries
 from prefill_service.prefix_sync import PrefixSync
 from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc
@@ -51,27 +58,39 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         params = params_from_pb(request.params)
         prompt = list(request.prompt_token_ids)
         carried = list(request.output_token_ids)  # a migrated request's delivered tokens
-        first_only = dataclasses.replace(params, max_tokens=len(carried) + 1)
+        # One choice here whatever n: the decode service forks the others from the KV.
+        first_only = dataclasses.replace(params, max_tokens=len(carried) + 1, n=1)
         loop = self.instance.loop
         stream = AsyncOutputStream()
         delivering = False  # True once the hand-off task owns releasing the blocks
+        span = tracing.start("prefill", tracing.context_from(context.invocation_metadata()),
+                             kind=tracing.SpanKind.SERVER,
+                             attributes={"splitserve.request_id": rid,
+                                         "splitserve.prompt_tokens": len(prompt)})
         self.instance.num_inflight += 1
         try:
             await asyncio.wrap_future(loop.submit(rid, prompt, first_only, stream,
                                                   output_token_ids=carried, hold_kv=True))
+            prompt_logprobs = None
             async for out in stream:
                 final = out
+                prompt_logprobs = out.prompt_logprobs or prompt_logprobs
             if len(final.output_token_ids) == len(carried):
                 raise InvalidRequestError("the request's delivered tokens already end it")
             ends = final.finish_reason == "stop" or params.max_tokens == len(carried) + 1
+            if params.n > 1:  # the first token ends choice 0 only: the others need the KV
+                ends = False
             m = final.metrics
             self.metrics.observe_prefilled(m)
+            tracing.record("prefill.queue", span, m.arrival_time, m.first_scheduled_time)
+            tracing.record("prefill.compute", span, m.first_scheduled_time, m.first_token_time,
+                           {"splitserve.cached_tokens": final.num_cached_tokens})
             first_token = final.output_token_ids[len(carried)]
             handoff = None
             if not ends:  # started first: the checksum runs while the first token is written
                 handoff = self._spawn(self._hand_off(
                     rid, final.held_block_ids, len(prompt) + len(carried), final.block_hashes,
-                    first_token, request.decode_address))
+                    first_token, request.decode_address, span))
                 self.handing_off.add(rid)
                 handoff.add_done_callback(lambda _: self.handing_off.discard(rid))
                 delivering = True
@@ -83,7 +102,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 queue_ms=ms(m.first_scheduled_time - m.arrival_time),
                 compute_ms=ms(m.first_token_time - m.first_scheduled_time),
                 instance_id=self.instance.instance_id,
-                first_logprobs=logprobs_to_pb(final.logprobs[0]) if final.logprobs else None)
+                first_logprobs=logprobs_to_pb(final.logprobs[0]) if final.logprobs else None,
+                prompt_logprobs=prompt_logprobs_to_pb(prompt_logprobs))
             if handoff is None:
                 self._spawn(self.prefixes.add(final.block_hashes))
                 return
@@ -93,7 +113,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             yield prefill_pb2.PrefillResponse(request_id=rid, delivered=accepted,
                                               deliver_ms=deliver_ms,
                                               instance_id=self.instance.instance_id)
+        except BaseException as e:
+            tracing.failed(span, repr(e))
+            raise
         finally:
+            span.end()
             self.instance.num_inflight -= 1
             if not delivering:  # ended, cancelled or failed before delivering: release now
                 loop.abort(rid)
@@ -114,22 +138,35 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def _hand_off(self, rid: str, block_ids: list[int], num_tokens: int,
                         block_hashes: list[int], first_token: int, decode_address: str,
-                        ) -> tuple[bool, float]:
+                        parent: tracing.Span) -> tuple[bool, float]:
         """Checksum the held blocks and deliver them; (accepted, ms). Releases the blocks at its
         end whatever happens (Deliveries does once the call is made)."""
         start = time.monotonic()
+        span = tracing.start("handoff.deliver", parent)
+        if span.is_recording():
+            pool = self.source.pool
+            span.set_attributes({"splitserve.blocks": len(block_ids), "splitserve.bytes":
+                                 len(block_ids) * pool[:, :, 0].numel() * pool.element_size()})
         args = (rid, block_ids, num_tokens, block_hashes)
         try:
             # On a GPU the checksum is one kernel and one small read (~0.2 ms): a hop to a
             # worker thread and back cost more (2 ms in the services, waiting for the GIL).
             desc = (self.source.describe(*args) if self.source.pool.is_cuda
                     else await asyncio.to_thread(self.source.describe, *args))
-        except BaseException:
+        except BaseException as e:
             self.instance.loop.abort(rid)
+            tracing.failed(span, repr(e))
+            span.end()
             raise
         described = time.monotonic()
-        accepted, _, _ = await self.deliveries.deliver(desc, first_token, decode_address)
+        accepted, reason, _ = await self.deliveries.deliver(desc, first_token, decode_address,
+                                                            tracing.metadata_for(span))
         done = time.monotonic()
+        span.set_attributes({"splitserve.checksum_ms": ms(described - start),
+                             "splitserve.accepted": accepted})
+        if not accepted:
+            tracing.failed(span, reason)
+        span.end()
         log.debug("handoff %s: describe (checksum) %.2f ms, deliver %.2f ms", rid,
                   1e3 * (described - start), 1e3 * (done - described))
         return accepted, ms(done - start)

@@ -20,6 +20,8 @@ class ServerConfig:
                     "interface)")
     metrics_port: int = opt(0, "port of Prometheus /metrics (0 = off)")
     shutdown_grace_s: float = opt(5.0, "on SIGTERM, how long in-flight requests may finish")
+    otlp_endpoint: str = opt("", "OpenTelemetry: export traces over OTLP/gRPC to this host:port "
+                             "(e.g. a collector at localhost:4317); empty = tracing off")
 
     def __post_init__(self) -> None:
         if not _port_ok(self.metrics_port):

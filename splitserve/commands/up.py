@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-decode", type=int, default=1, help="decode services to start")
     g.add_argument("--host", default=leaf(GatewayConfig, "host").default,
                    help="address every service listens on")
+    g.add_argument("--otlp-endpoint", default=leaf(GatewayConfig, "otlp_endpoint").default,
+                   help=leaf(GatewayConfig, "otlp_endpoint").help + "; passed to every "
+                        "service")
     s = parser.add_argument_group("supervision")
     s.add_argument("--on-service-exit", choices=("restart", "stop"), default="restart",
                    help="a service that exits: start it again (after a backoff), or stop the "
@@ -122,12 +125,14 @@ def run(args: argparse.Namespace) -> int:
         # outnumber the cores spin against each other and slow every service down).
         share = max(1, (os.cpu_count() or 1) // (args.num_prefill + args.num_decode))
         engine = dataclasses.replace(engine, model=dataclasses.replace(model, cpu_threads=share))
-    engine_flags = [*to_argv(engine, skip=("model",)), *tls.to_argv()]
+    tracing = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
+    engine_flags = [*to_argv(engine, skip=("model",)), *tls.to_argv(), *tracing]
     # The prefill side never speculates (it samples one token), so it gets no draft model.
-    prefill_flags = to_argv(engine, skip=("model",), skip_groups=("speculative",)) + tls.to_argv()
+    prefill_flags = [*to_argv(engine, skip=("model",), skip_groups=("speculative",)),
+                     *tls.to_argv(), *tracing]
     gateway_flags = ["--model-cache-dir", engine.model.model_cache_dir,
                      *dataclasses.replace(tls, tls_client_auth=False).to_argv(),
-                     *to_argv(auth)]
+                     *to_argv(auth), *tracing]
     if engine.model.served_model_name:
         gateway_flags += ["--served-model-name", engine.model.served_model_name]
     last_port = args.metrics_port + args.num_prefill + args.num_decode
