@@ -66,6 +66,7 @@ class GatewayConfig:
                               "health check gets no requests")
     resume_retention_s: float = opt(30.0, "a resumable request keeps running this long without a "
                                     "client, and its output is kept this long after it ends")
+    max_n: int = opt(16, "most choices one request may ask for (n); more is INVALID_ARGUMENT")
     router: RouterConfig = group(RouterConfig, "routing")
     migration: MigrationPolicy = group(MigrationPolicy, "migration")
 
@@ -79,6 +80,7 @@ class GatewayConfig:
             (self.discovery_interval_s > 0, "--discovery-interval-s must be positive"),
             (self.quarantine_s >= 0, "--quarantine-s must be >= 0"),
             (self.resume_retention_s > 0, "--resume-retention-s must be positive"),
+            (self.max_n >= 1, "--max-n must be at least 1"),
         ]
         for ok, message in checks:
             if not ok:

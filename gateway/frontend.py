@@ -40,9 +40,11 @@ class PreparedRequest:
 
 class Frontend:
     def __init__(self, model_name: str, tokenizer: Tokenizer | None, max_model_len: int,
-                 vocab_size: int):
+                 vocab_size: int, *, max_n: int):
         """tokenizer None (dummy models): only prompt_token_ids are accepted; max_model_len and
-        vocab_size 0: left to the services to check."""
+        vocab_size 0: left to the services to check. max_n: the most choices a request may ask
+        for (--max-n)."""
+        self.max_n = max_n
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -103,6 +105,9 @@ class Frontend:
         return self.require_tokenizer().encode(self._render(source), add_special_tokens=False)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        if params.n > self.max_n:
+            raise InvalidRequestError(f"n must be in [1, {self.max_n}] (the gateway's --max-n), "
+                                      f"got {params.n}")
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         if self.vocab_size:

@@ -47,6 +47,7 @@ from common.text.openai_protocol import (
     error_body,
     model_list,
     new_id,
+    prompt_logprobs_body,
     tokenize_body,
     usage,
     usage_chunk,
@@ -103,10 +104,12 @@ class _Logprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
 
     @classmethod
     def of(cls, pb: types_pb2.TokenLogprobs) -> _Logprob:
-        return cls(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top))
+        return cls(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top),
+                   pb.rank if pb.HasField("rank") else None)
 
 
 class OpenAIApi:
@@ -231,46 +234,83 @@ class OpenAIApi:
         build = chat_logprobs if isinstance(req, ChatCompletionRequest) else completion_logprobs
         return build(tokens, lps, tops)
 
+    def _prompt_logprobs(self, ids: list[int],
+                         pieces: Sequence[generation_pb2.GenerateStreamResponse]) -> list | None:
+        lps = [_Logprob.of(lp) for p in pieces for lp in p.prompt_logprobs]
+        if len(lps) != len(ids) - 1:  # not asked for (or not delivered)
+            return None
+        return prompt_logprobs_body(ids, lps, self._token)
+
     def _body(self, req: OpenAIRequest, request_id: str, ids: list[int],
               pieces: list[generation_pb2.GenerateStreamResponse]) -> dict[str, Any]:
+        """The whole response: one choice per index (n), usage summed over them."""
         final = pieces[-1]
-        output = [t for p in pieces for t in p.token_ids]
-        text = "".join(p.text for p in pieces)
-        extra = {}
-        parser = _tool_parser(req)
-        if parser is not None:
-            content = parser.feed(text)
-            rest, calls = parser.finish()
-            text, extra = content + rest, {"tool_calls": calls}
-        build = chat_body if isinstance(req, ChatCompletionRequest) else completion_body
-        return build(request_id=request_id, model=self.frontend.model_name, text=text, **extra,
-                     finish_reason=FINISH_FROM_PB[final.finish_reason], prompt_token_ids=ids,
-                     output_token_ids=output, cached_tokens=final.usage.num_cached_tokens,
-                     return_token_ids=req.return_token_ids,
-                     logprobs=self._logprobs(req, [lp for p in pieces for lp in p.logprobs]))
+        by_index: dict[int, list[generation_pb2.GenerateStreamResponse]] = {}
+        for p in pieces:
+            by_index.setdefault(p.index, []).append(p)
+        chat = isinstance(req, ChatCompletionRequest)
+        build = chat_body if chat else completion_body
+        prompt_lps = self._prompt_logprobs(ids, pieces) if req.prompt_logprobs is not None else None
+        body: dict[str, Any] = {}
+        num_output = 0
+        for index in sorted(by_index):
+            mine = by_index[index]
+            output = [t for p in mine for t in p.token_ids]
+            num_output += len(output)
+            text = "".join(p.text for p in mine)
+            reason = next((p.finish_reason for p in reversed(mine) if p.finish_reason), 0)
+            extra = {}
+            parser = _tool_parser(req)
+            if parser is not None:
+                content = parser.feed(text)
+                rest, calls = parser.finish()
+                text, extra = content + rest, {"tool_calls": calls}
+            one = build(request_id=request_id, model=self.frontend.model_name, text=text,
+                        **extra, finish_reason=FINISH_FROM_PB[reason], prompt_token_ids=ids,
+                        output_token_ids=output, cached_tokens=final.usage.num_cached_tokens,
+                        return_token_ids=req.return_token_ids,
+                        logprobs=self._logprobs(req, [lp for p in mine for lp in p.logprobs]))
+            choice = one["choices"][0]
+            choice["index"] = index
+            if prompt_lps is not None and not chat:
+                choice["prompt_logprobs"] = prompt_lps
+            if body:
+                body["choices"].append(choice)
+            else:
+                body = one
+        body["usage"] = usage(len(ids), num_output, final.usage.num_cached_tokens)
+        if prompt_lps is not None and chat:
+            body["prompt_logprobs"] = prompt_lps
+        return body
 
     async def _sse(self, req: OpenAIRequest, request_id: str, ids: list[int],
                    first: generation_pb2.GenerateStreamResponse,
                    stream: AsyncIterator[generation_pb2.GenerateStreamResponse],
                    ) -> AsyncIterator[str]:
+        """Chunks of every choice as they come, each naming its index (n > 1); a choice's
+        finish reason in its last chunk; usage (if asked) after the last choice's."""
         chat = isinstance(req, ChatCompletionRequest)
         common = {"request_id": request_id, "model": self.frontend.model_name,
                   "created": int(time.time())}
         tokens = req.return_token_ids
-        parser = _tool_parser(req)
+        parsers = {i: _tool_parser(req) for i in range(req.n)}
+        unfinished = req.n
         try:
             if chat:
-                head = chat_chunk(**common, delta={"role": "assistant", "content": ""},
-                                  finish_reason=None, token_ids=[] if tokens else None)
-                if tokens:
-                    head["prompt_token_ids"] = ids
-                yield _event(head)
+                for i in range(req.n):
+                    head = chat_chunk(**common, delta={"role": "assistant", "content": ""},
+                                      finish_reason=None, token_ids=[] if tokens else None)
+                    head["choices"][0]["index"] = i
+                    if tokens and i == 0:
+                        head["prompt_token_ids"] = ids
+                    yield _event(head)
             piece: generation_pb2.GenerateStreamResponse | None = first
-            index = 0
+            count = 0
             while piece is not None:
                 reason = FINISH_FROM_PB[piece.finish_reason]
                 token_ids = list(piece.token_ids) if tokens else None
                 logprobs = self._logprobs(req, piece.logprobs)
+                parser = parsers.get(piece.index)
                 if chat:
                     text, calls = piece.text, []
                     if parser is not None:
@@ -280,12 +320,13 @@ class OpenAIApi:
                             text += rest
                     if calls:  # OpenAI's shape: content, then each call whole, then the reason
                         if text:
-                            yield _event(chat_chunk(**common, delta={"content": text},
-                                                    finish_reason=None, token_ids=None))
+                            yield _event(_at(piece.index, chat_chunk(
+                                **common, delta={"content": text}, finish_reason=None,
+                                token_ids=None)))
                             text = ""
-                        yield _event(chat_chunk(**common, delta={"tool_calls": [
+                        yield _event(_at(piece.index, chat_chunk(**common, delta={"tool_calls": [
                             c.openai(index=i) for i, c in enumerate(calls)]},
-                            finish_reason=None, token_ids=None))
+                            finish_reason=None, token_ids=None)))
                         reason = "tool_calls"
                     chunk = chat_chunk(**common, delta={"content": text} if text else {},
                                        finish_reason=reason, token_ids=token_ids,
@@ -293,10 +334,18 @@ class OpenAIApi:
                 else:
                     chunk = completion_chunk(**common, text=piece.text, finish_reason=reason,
                                              token_ids=token_ids, logprobs=logprobs)
-                    if tokens and index == 0:
+                    if tokens and count == 0:
                         chunk["prompt_token_ids"] = ids
-                yield _event(chunk)
-                if reason is not None:
+                if piece.prompt_logprobs and req.prompt_logprobs is not None:
+                    lps = prompt_logprobs_body(ids, [_Logprob.of(lp) for lp in
+                                                     piece.prompt_logprobs], self._token)
+                    if chat:
+                        chunk["prompt_logprobs"] = lps
+                    else:
+                        chunk["choices"][0]["prompt_logprobs"] = lps
+                yield _event(_at(piece.index, chunk))
+                unfinished -= reason is not None
+                if reason is not None and not unfinished:
                     if req.include_usage:
                         u = piece.usage
                         yield _event(usage_chunk(
@@ -306,12 +355,18 @@ class OpenAIApi:
                                          u.num_cached_tokens)))
                     break
                 piece = await anext(stream, None)
-                index += 1
+                count += 1
         except Exception as exc:  # the status line is sent: report the error in the stream
             yield _event(HttpError.of(exc).body())
         finally:
             await stream.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _at(index: int, chunk: dict[str, Any]) -> dict[str, Any]:
+    """The chunk of choice `index` (the builders write index 0)."""
+    chunk["choices"][0]["index"] = index
+    return chunk
 
 
 def _tool_parser(req: OpenAIRequest) -> ToolCallParser | None:

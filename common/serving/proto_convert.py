@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "repetition_penalty", "frequency_penalty", "presence_penalty",
-                    "skip_special_tokens", "logprobs")
+                    "skip_special_tokens", "logprobs", "n", "prompt_logprobs")
 
 FINISH_TO_PB = {
     None: types_pb2.FINISH_REASON_UNSPECIFIED,
@@ -94,5 +94,11 @@ def ms(seconds: float | None) -> float:
 
 def logprobs_to_pb(lp: TokenLogprobs) -> types_pb2.TokenLogprobs:
     return types_pb2.TokenLogprobs(
-        token_id=lp.token_id, logprob=lp.logprob,
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
         top=[types_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def prompt_logprobs_to_pb(lps: list[TokenLogprobs | None] | None) -> list[types_pb2.TokenLogprobs]:
+    """An engine's prompt_logprobs (None for the first prompt token) as the messages of the
+    tokens after the first."""
+    return [logprobs_to_pb(lp) for lp in lps or () if lp is not None]

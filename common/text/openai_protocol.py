@@ -118,6 +118,7 @@ class _Request(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -125,8 +126,6 @@ class _Request(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported")
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -136,7 +135,8 @@ class _Request(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, structured=self.structured())
+            skip_special_tokens=self.skip_special_tokens, structured=self.structured(),
+            n=self.n, prompt_logprobs=self.prompt_logprobs)
 
     def structured(self) -> StructuredOutput | None:
         """The output constraint this request asks for (see the module docstring)."""
@@ -357,3 +357,19 @@ def model_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": model, "object": "model", "created": created, "owned_by": "splitserve",
          "root": model, "max_model_len": max_model_len or None}]}
+
+
+def prompt_logprobs_body(prompt_token_ids: list[int], logprobs: list[Any],
+                         decode: Any) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then for each one a dict
+    token id (a string in JSON) -> {logprob, rank, decoded_token} of the token itself and of the
+    most likely alternatives. logprobs[i] (.logprob, .rank, .top) is prompt token i + 1's;
+    decode(token_id) gives a token's text."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, lp in zip(prompt_token_ids[1:], logprobs, strict=True):
+        entry = {str(token): {"logprob": lp.logprob, "rank": lp.rank,
+                              "decoded_token": decode(token)}}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": decode(t)})
+        out.append(entry)
+    return out

@@ -111,6 +111,8 @@ class BatchRunner:
                 else:
                     lp, default_max = req.logprobs, 16
                 params = req.sampling_params(lp, max(default_max, 1))
+                if params.n > 1:
+                    raise InvalidRequestError("run-batch answers one choice per line (n=1)")
                 rid = f"batch-{i}-{uuid.uuid4().hex[:8]}"
                 engine.add_request(rid, line.prompt_token_ids, params)
                 ids[rid] = i

@@ -12,7 +12,7 @@ from protos.splitserve.v1 import generation_pb2, types_pb2
 
 @pytest.fixture(scope="module")
 def frontend(smollm2_dir) -> Frontend:
-    return Frontend("SmolLM2-135M-Instruct", Tokenizer.from_dir(smollm2_dir), 8192, 49152)
+    return Frontend("SmolLM2-135M-Instruct", Tokenizer.from_dir(smollm2_dir), 8192, 49152, max_n=4)
 
 
 def request(**kw) -> generation_pb2.GenerateRequest:
@@ -67,7 +67,7 @@ def test_tokenize(frontend):
 
 
 def test_dummy_models_take_token_ids_only():
-    frontend = Frontend("dummy:tiny-llama", None, 0, 0)
+    frontend = Frontend("dummy:tiny-llama", None, 0, 0, max_n=4)
     with pytest.raises(InvalidRequestError, match="has no tokenizer: send prompt_token_ids"):
         frontend.prepare(request(prompt="hi"))
     assert frontend.prepare(request(

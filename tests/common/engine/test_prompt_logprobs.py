@@ -51,7 +51,7 @@ def test_prompt_logprobs_match_hf(model_cache_dir, prompt, hf_logprobs, batched_
     engine = LLMEngine(build(EngineConfig, model="SmolLM2-135M-Instruct", device="cpu",
                              model_cache_dir=str(model_cache_dir), num_kv_blocks=64,
                              block_size=16, cpu_threads=2, max_num_batched_tokens=batched_tokens))
-    for attempt in range(2):  # the second time the prompt's blocks are in the prefix cache
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
         got = prompt_logprobs(engine, prompt, TOP)
         assert len(got) == len(prompt) and got[0] is None
         for p in range(1, len(prompt)):
