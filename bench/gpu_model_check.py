@@ -15,6 +15,15 @@ i.e. up to and including the first step where our token differs from the float32
   pass    our median relative error is at most twice HF bf16's, and every divergence is a
           near-tie
 
+FP8 (--quantization fp8, and/or --kv-cache-dtype fp8): the reference stays HF float32 on the
+unquantized weights (the same seeded dummy weights, loaded again), and a third HF model says what
+the quantization error alone predicts: float32, each projection's weight quantized as ours is and
+its input quantized per token (kernels.torch_ops.fp8_linear, W8A8 as torch._scaled_mm computes
+it). Also reported: top-1 agreement of each step's logits with the reference. Pass (fp8 weights):
+our median relative error at most 1.5 x (predicted + HF bf16's), and every divergence a near-tie
+at the largest max-abs error of the three. An fp8 KV cache adds an error the predictor does not
+model: with it the figures are reported, not judged.
+
     PYTHONPATH=. python3 bench/gpu_model_check.py --out model_check.json
 """
 
@@ -37,8 +46,11 @@ from common.engine.cuda_runner import CudaGraphRunner
 from common.engine.engine import LLMEngine
 from common.engine.sampler import DeviceSample, Sampler
 from common.flags import build
+from common.models.fp8 import Fp8Weight
 from common.models.llama import LlamaModel
+from common.models.loader import load_model
 from common.models.model_config import ModelConfig
+from kernels import torch_ops
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -74,9 +86,38 @@ def hf_model(mc: ModelConfig, dtype: torch.dtype, state: dict[str, torch.Tensor]
 
 
 def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """Our fused parameters split back into HF checkpoint tensors (views)."""
-    return {name: param[start:end] for name, (param, start, end, *_)
-            in model.hf_weight_targets().items()}
+    """Our fused parameters split back into HF checkpoint tensors (views; an fp8 weight is
+    dequantized to float32 first)."""
+    out = {}
+    for name, (param, start, end, *_) in model.hf_weight_targets().items():
+        if isinstance(param, Fp8Weight):
+            param = param.dequantize(torch.float32)
+        out[name] = param[start:end]
+    return out
+
+
+class W8A8Linear(torch.nn.Module):
+    """A projection as --quantization fp8 computes it above batch 1, in float32: weight
+    quantized per output channel, input per token (kernels.torch_ops.fp8_linear)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        q, scale = torch_ops.quantize_rows(weight)
+        self.q, self.scale = q, scale.view(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch_ops.fp8_linear(x.reshape(-1, x.shape[-1]), self.q, self.scale)
+        return out.view(*x.shape[:-1], self.q.shape[0])
+
+
+def quantize_hf(model) -> None:
+    """Every projection of an HF Llama replaced by its W8A8Linear (weights as ours quantizes
+    them: per row, so HF's separate q/k/v and gate/up get the fused tensors' scales)."""
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                setattr(parent, name, W8A8Linear(getattr(parent, name).weight.detach()))
 
 
 class RecordingSampler(Sampler):
@@ -118,12 +159,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--lengths", default="7,33,128,300,511,1000")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    ap.add_argument("--quantization", default=None, help="fp8: the engine's --quantization")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: the engine's KV pool")
     args = ap.parse_args()
     t0 = time.monotonic()
     lengths = [int(x) for x in args.lengths.split(",")]
     engine = build_engine(build(EngineConfig,
         model=f"dummy:{args.shape}", dtype="bfloat16", device=args.device, num_kv_blocks=1024,
-        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048))
+        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+    fp8 = args.quantization is not None or args.kv_cache_dtype != "auto"
     mc = engine.model_config
     rng = random.Random(0)
     prompts = [[rng.randrange(mc.vocab_size) for _ in range(n)] for n in lengths]
@@ -138,11 +183,18 @@ def main() -> None:
             if o.finished:
                 ours_tokens[o.request_id] = o.output_token_ids
     steps_taken = dict(engine.runner.steps)
-    state = {k: v.detach().clone() for k, v in hf_state_dict(engine.model).items()}
-    del engine
+    source = engine.model
+    if args.quantization is not None:  # the same seeded weights, unquantized
+        source, _ = load_model(f"dummy:{args.shape}", dtype=torch.bfloat16,
+                               device=torch.device(args.device), cache_dir=Path("."))
+    state = {k: v.detach().clone() for k, v in hf_state_dict(source).items()}
+    del engine, source
     refs = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        hf = hf_model(mc, dtype, state, args.device)
+    for dtype in (torch.float32, torch.bfloat16, "w8a8") if fp8 else (torch.float32,
+                                                                       torch.bfloat16):
+        hf = hf_model(mc, torch.float32 if dtype == "w8a8" else dtype, state, args.device)
+        if dtype == "w8a8":
+            quantize_hf(hf)
         refs[dtype] = [hf_greedy(hf, p, args.steps) for p in prompts]
         del hf
 
@@ -155,35 +207,62 @@ def main() -> None:
         diverge = first_difference(ours_tokens[f"p{i}"], ref_tokens)
         bf_diverge = first_difference(bf_tokens, ref_tokens)
         both = first_difference(ours_tokens[f"p{i}"], bf_tokens)
+        if fp8:
+            q_tokens, q = refs["w8a8"][i]
+            q_diverge = first_difference(q_tokens, ref_tokens)
+            oq = first_difference(ours_tokens[f"p{i}"], q_tokens)
         for j in range(args.steps):
             top2 = ref[j].topk(2).values
-            compared.append(dict(
+            row = dict(
                 prompt=i, step=j, gap=float(top2[0] - top2[1]),
                 ours=errors(ours[j], ref[j]) if diverge is None or j <= diverge else None,
                 hf_bf16=errors(bf[j], ref[j]) if bf_diverge is None or j <= bf_diverge else None,
-                ours_vs_hf_bf16=errors(ours[j], bf[j]) if both is None or j <= both else None))
+                ours_vs_hf_bf16=errors(ours[j], bf[j]) if both is None or j <= both else None,
+                top1=(None if diverge is not None and j > diverge
+                      else bool(ours[j].argmax() == ref[j].argmax())))
+            if fp8:
+                row["predicted"] = (errors(q[j], ref[j]) if q_diverge is None or j <= q_diverge
+                                    else None)
+                row["ours_vs_predicted"] = errors(ours[j], q[j]) if oq is None or j <= oq else None
+            compared.append(row)
         rows.append(dict(prompt=i, length=len(p), diverge=diverge, hf_bf16_diverge=bf_diverge,
                          gap_at_diverge=None if diverge is None else
                          compared[-args.steps + diverge]["gap"]))
-    kinds = ("ours", "hf_bf16", "ours_vs_hf_bf16")
+    kinds = ("ours", "hf_bf16", "ours_vs_hf_bf16") + (("predicted", "ours_vs_predicted")
+                                                      if fp8 else ())
     seen = {k: [c[k] for c in compared if c[k] is not None] for k in kinds}
-    tol = max(e[0] for k in ("ours", "hf_bf16") for e in seen[k])
+    tol = max(e[0] for k in ("ours", "hf_bf16", "predicted") if k in seen for e in seen[k])
     for r in rows:
         r["near_tie"] = r["diverge"] is None or r["gap_at_diverge"] < tol
     med = {k: statistics.median(e[1] for e in seen[k]) for k in kinds}
     worst = {k: max(e[0] for e in seen[k]) for k in kinds}
-    ok = med["ours"] <= 2 * med["hf_bf16"] and all(r["near_tie"] for r in rows)
+    top1 = [c["top1"] for c in compared if c["top1"] is not None]
+    top1_rate = sum(top1) / len(top1)
+    ties = all(r["near_tie"] for r in rows)
+    if not fp8:
+        ok: bool | None = med["ours"] <= 2 * med["hf_bf16"] and ties
+    elif args.kv_cache_dtype == "auto":
+        ok = med["ours"] <= 1.5 * (med["predicted"] + med["hf_bf16"]) and ties
+    else:
+        ok = None  # reported, not judged (module docstring)
     result = dict(shape=args.shape, steps=args.steps, runner_steps=steps_taken,
-                  near_tie_tolerance=tol, median_rel=med, max_abs=worst, prompts=rows,
-                  compared=compared, passed=ok, seconds=time.monotonic() - t0)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  near_tie_tolerance=tol, median_rel=med, max_abs=worst, top1_agreement=top1_rate,
+                  prompts=rows, compared=compared, passed=ok, seconds=time.monotonic() - t0)
     args.out.write_text(json.dumps(result, indent=1))
 
-    print(f"model check, {args.shape} bf16, random weights, {args.steps} greedy steps; "
+    what = (f"weights {args.quantization or 'bf16'}, KV {args.kv_cache_dtype}" if fp8
+            else "bf16")
+    print(f"model check, {args.shape} {what}, random weights, {args.steps} greedy steps; "
           f"runner steps {steps_taken}")
     print(f"{'vs HF float32':<22}{'median rel':>12}{'max abs':>10}")
-    for k, name in (("ours", "ours bf16"), ("hf_bf16", "HF bf16"),
-                    ("ours_vs_hf_bf16", "ours vs HF bf16")):
-        print(f"{name:<22}{med[k]:>12.2e}{worst[k]:>10.3f}")
+    for k, name in (("ours", "ours"), ("hf_bf16", "HF bf16"),
+                    ("ours_vs_hf_bf16", "ours vs HF bf16"),
+                    ("predicted", "HF fp32 W8A8 (pred.)"),
+                    ("ours_vs_predicted", "ours vs predicted")):
+        if k in med:
+            print(f"{name:<22}{med[k]:>12.2e}{worst[k]:>10.3f}")
+    print(f"top-1 agreement with the reference over compared steps: {top1_rate:.3f}")
     print(f"near-tie tolerance (largest bf16 max-abs error seen): {tol:.3f}")
     print(f"{'prompt':>6}{'len':>6}{'ours==ref up to':>17}{'HF bf16 up to':>15}"
           f"{'top-2 gap there':>17}{'near-tie':>10}")
@@ -193,7 +272,8 @@ def main() -> None:
         bf_same = "all" if r["hf_bf16_diverge"] is None else str(r["hf_bf16_diverge"])
         print(f"{r['prompt']:>6}{r['length']:>6}{same:>17}{bf_same:>15}{gap:>17}"
               f"{str(r['near_tie']):>10}")
-    print(f"MODEL CHECK {'PASS' if ok else 'FAIL'} ({time.monotonic() - t0:.0f} s)")
+    verdict = "REPORTED" if ok is None else "PASS" if ok else "FAIL"
+    print(f"MODEL CHECK {verdict} ({time.monotonic() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

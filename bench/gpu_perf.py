@@ -19,7 +19,9 @@ ours is freed. Ceilings are measured first in the same run: device-to-device cop
   T7      export_kv + import_kv of a 512-token prompt's blocks vs that prompt's prefill time
 
 Every section checks the time left (--budget seconds) first and is skipped, saying so, when it
-would not fit; JSON goes to --out after each section.
+would not fit; JSON goes to --out after each section. `--quantization fp8` and
+`--kv-cache-dtype fp8` build the engine with fp8 weights / an fp8 KV pool (the floors count
+their bytes: 1 a weight, 1 a K/V element); `--sections T3,T4,T1` runs only those.
 
     PYTHONPATH=. python3 bench/gpu_perf.py --out perf.json --budget 280
 """
@@ -110,7 +112,15 @@ def ceilings(device: torch.device) -> dict:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm_ms = do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
+    # FP8 (e4m3) with row-wise scales, as --quantization fp8 runs its projections.
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    sa = torch.ones(8192, 1, device=device)
+    sb = torch.ones(1, 8192, device=device)
+    mm8_ms = do_bench(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                               out_dtype=torch.bfloat16),
+                      warmup=10, rep=50, return_mode="median")
     return {"copy_tb_s": 4 * n / copy_ms / 1e9, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9,
+            "fp8_matmul_tflops": 2 * 8192**3 / mm8_ms / 1e9,
             "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
 
 
@@ -143,13 +153,29 @@ class Ours:
         self.runner = engine.runner
         self.device = engine.device
         mc = engine.model_config
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        # Parameters and the fp8 projections' buffers (qweight, weight_scale); not cos_sin.
+        weights = [*engine.model.parameters(),
+                   *(b for n, b in engine.model.named_buffers() if not n.endswith("cos_sin"))]
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in weights)
         self.kv_bytes_per_token = 2 * mc.num_layers * mc.kv_size * engine.kv_cache.element_size()
-        # Matmul FLOPs per token (embedding lookup excluded, lm_head included).
+        # Matmul FLOPs per token (embedding lookup excluded, lm_head included; scales excluded).
         embed = mc.vocab_size * mc.hidden_size
-        self.flops_per_token = 2 * (sum(p.numel() for p in engine.model.parameters())
+        self.flops_per_token = 2 * (sum(p.numel() for p in weights if p.dim() == 2)
                                     - (0 if mc.tie_word_embeddings else embed))
+        # Of them, those of fp8 weights (run at the fp8 matmul rate).
+        self.fp8_flops_per_token = 2 * sum(p.numel() for p in weights
+                                           if p.dtype == torch.float8_e4m3fn)
         self.mc = mc
+
+    def matmul_s(self, tokens: int, head_tokens: int) -> float:
+        """Seconds of matmul FLOPs for `tokens` through the layers and `head_tokens` through
+        lm_head, each dtype's share at its measured rate."""
+        lm_head = 2 * self.mc.vocab_size * self.mc.hidden_size
+        bf16 = (self.flops_per_token - self.fp8_flops_per_token - lm_head) * tokens \
+            + lm_head * head_tokens
+        fp8 = self.fp8_flops_per_token * tokens
+        rate8 = self.ceil.get("fp8_matmul_tflops", 2 * self.ceil["matmul_tflops"])
+        return bf16 / (self.ceil["matmul_tflops"] * 1e12) + fp8 / (rate8 * 1e12)
 
     def bw(self) -> float:
         return self.ceil["copy_tb_s"] * 1e12
@@ -160,8 +186,7 @@ class Ours:
     def decode_roofline_ms(self, batch: int, context: float) -> float:
         """The matmuls at the slower of weight reads and matmul FLOPs (at batch 256 the 8B
         shape's matmuls are compute-bound), then attention's K/V reads at the bandwidth."""
-        matmul_s = max(self.weight_bytes / self.bw(),
-                       batch * self.flops_per_token / (self.ceil["matmul_tflops"] * 1e12))
+        matmul_s = max(self.weight_bytes / self.bw(), self.matmul_s(batch, batch))
         return (matmul_s + batch * context * self.kv_bytes_per_token / self.bw()) * 1e3
 
     def decode_steps(self, batch: int, plen: int, olen: int, probe_at: int) -> dict:
@@ -222,9 +247,7 @@ class Ours:
 
     def offline_floor_parts(self, prompts: list, olens: list, batch: int) -> tuple[float, float]:
         """offline_floor_s in its two parts: (prefill, decode) seconds."""
-        lm_head = 2 * self.mc.vocab_size * self.mc.hidden_size
-        prefill = sum(len(p) for p in prompts) * (self.flops_per_token - lm_head) \
-            + len(prompts) * lm_head
+        prefill_s = self.matmul_s(sum(len(p) for p in prompts), len(prompts))
         decode_ms = 0.0
         order = list(range(len(prompts)))
         for w in range(0, len(order), batch):
@@ -233,7 +256,7 @@ class Ours:
                 live = [i for i in wave if olens[i] > s]
                 context = sum(len(prompts[i]) + s for i in live) / len(live)
                 decode_ms += self.decode_roofline_ms(len(live), context)
-        return prefill / (self.ceil["matmul_tflops"] * 1e12), decode_ms / 1e3
+        return prefill_s, decode_ms / 1e3
 
     def offline_floor_s(self, prompts: list, olens: list, batch: int) -> float:
         """Prefill matmuls at the measured rate (lm_head on each prompt's last token only),
@@ -339,6 +362,10 @@ def main() -> None:
                          "at once)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", default=None, help="fp8: the engine's --quantization")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: the engine's KV pool")
+    ap.add_argument("--sections", default="T3,T4,T1,T2,T6,T7",
+                    help="our sections to run, comma-separated")
     args = ap.parse_args()
     run = Run(args.out, args.budget)
     device = torch.device(args.device)
@@ -366,7 +393,8 @@ def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
         model=f"dummy:{args.shape}", dtype="bfloat16", device=args.device,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batch, args.max_num_seqs),
         max_num_batched_tokens=8192,
-        max_model_len=2048)))
+        max_model_len=2048, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype)))
     if engine is None or isinstance(engine, dict):
         return None
     run.results["build"] = {"graphs": sorted(engine.runner.graphs),
@@ -374,13 +402,21 @@ def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
     ours = Ours(engine, ceil)
     mc = engine.model_config
     run.results["shape"] = {"name": args.shape, "weight_bytes": ours.weight_bytes,
-                            "kv_bytes_per_token": ours.kv_bytes_per_token}
-    run.section("T3", 20, ours.decode_steps, 1, 512, 129, 64)
-    t4 = run.section("T4", 40, ours.decode_steps, args.batch, 512, 257, 128)
+                            "kv_bytes_per_token": ours.kv_bytes_per_token,
+                            "quantization": args.quantization,
+                            "kv_cache_dtype": args.kv_cache_dtype}
+    sections = set(args.sections.split(","))
+
+    def section(name: str, need: float, fn, *a) -> object:
+        return run.section(name, need, fn, *a) if name in sections else None
+
+    section("T3", 20, ours.decode_steps, 1, 512, 129, 64)
+    t4 = section("T4", 40, ours.decode_steps, args.batch, 512, 257, 128)
     # T4's run is `batch` requests of T1's workload: it bounds T1's time per request (T1 runs
     # more of them at once).
     per_req = t4["seconds"] / args.batch if t4 and "seconds" in t4 else 0.1
-    n1 = min(args.prompts, max(args.batch, int((run.left() - 130) / per_req) // 64 * 64))
+    reserve = 130 if sections & {"T2", "T6", "T7"} or not args.skip_hf else 15  # for the rest
+    n1 = min(args.prompts, max(args.batch, int((run.left() - reserve) / per_req) // 64 * 64))
     p1, o1 = uniform(n1, 512, 256, mc.vocab_size, seed=11)
 
     def t1() -> dict:
@@ -393,13 +429,13 @@ def run_ours(run: Run, args: argparse.Namespace, ceil: dict) -> tuple | None:
         r["scaled_down_from"] = args.prompts if n1 < args.prompts else None
         return r
 
-    run.section("T1", per_req * n1 + 10, t1)
+    section("T1", per_req * n1 + 10, t1)
     p2, o2 = sharegpt_like(args.prompts, mc.vocab_size)
     n2 = min(args.prompts, max(64, int((run.left() - 120) / per_req * 1.5) // 64 * 64))
     p2, o2 = p2[:n2], o2[:n2]
-    run.section("T2", per_req * n2 / 1.5 + 10, lambda: ours.offline(p2, o2))
-    run.section("T6", 15, ours.prefix_ttft)
-    run.section("T7", 10, ours.handoff)
+    section("T2", per_req * n2 / 1.5 + 10, lambda: ours.offline(p2, o2))
+    section("T6", 15, ours.prefix_ttft)
+    section("T7", 10, ours.handoff)
     return mc, p1, o1, p2, o2
 
 
@@ -408,6 +444,9 @@ def report(r: dict) -> None:
         return r.get(name, {}).get(key) if isinstance(r.get(name), dict) else None
 
     hf_best = max((get(k, "tok_s") or 0.0 for k in ("hf_T1_b64", "hf_T1_b256")), default=0.0)
+    shape = r.get("shape", {})
+    print(f"ours: weights {shape.get('quantization') or 'bf16'}, KV cache "
+          f"{shape.get('kv_cache_dtype', 'auto')}; ceilings {r.get('ceilings')}")
     rows = []
     for name, target in (("T3", "<= 4.0 ms"), ("T4", "<= 11 ms")):
         step, floor, replay = get(name, "engine_step_ms"), get(name, "floor_ms"), \

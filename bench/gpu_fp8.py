@@ -1,0 +1,183 @@
+"""FP8 on the GPU, kernel by kernel, against bf16 in the same run (issue 19), llama-3-8b shapes.
+
+  ceilings    copy bandwidth (bytes read + written), bf16 and fp8 (row-wise scaled) matmul
+              rates at 8192^3
+  projections qkv, o, gate|up and down at M = 1, 256 and 8192 rows through the CUDA ops
+              (common.models.ops_triton.linear: skinny GEMV at M = 1, else cuBLAS / per-token
+              quantization + torch._scaled_mm), bf16 weight vs fp8 weight; M = 1 also through
+              the fused GEMVs (norm + gate|up, act + down). Weight GB/s (weight bytes / time,
+              as a fraction of the copy bandwidth) at M = 1, TFLOP/s above; the fp8 rows also
+              time _scaled_mm alone (the per-token quantization's share)
+  decode      paged decode attention over an fp8 pool vs a bf16 one (block size 16, 32/8 heads
+              of 128): fewest bytes (K/V of every context once at its element size, q, out) /
+              time, as a fraction of the copy bandwidth (the issue's target: >= 0.85 at
+              contexts >= 1k and batch >= 32)
+
+Times are CUDA-graph replays of back-to-back calls (bench/gpu_kernels.py's helpers; decode
+rotates its block tables over several times the L2).
+Usage: PYTHONPATH=. python3 bench/gpu_fp8.py --out fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from common.models.fp8 import quantize_weight
+from common.models.ops_triton import act_linear, linear, norm_linear
+from kernels import fp8_linear, torch_ops
+from kernels.decode_attention import DecodeConfig, default_num_splits
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_kernels import KVH, D, DecodeCase, copy_bandwidth, graphed_ms  # noqa: E402
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+HIDDEN, INTER = 4096, 14336
+PROJECTIONS = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+               "down": (HIDDEN, INTER)}
+
+
+def matmul_rates() -> dict:
+    a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=BF16)
+    a8, b8 = a.to(FP8), b.to(FP8)
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
+    flop = 2 * 8192 ** 3
+    bf = do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
+    f8 = do_bench(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=BF16),
+                  warmup=10, rep=50, return_mode="median")
+    return {"bf16_tflops": flop / bf / 1e9, "fp8_tflops": flop / f8 / 1e9}
+
+
+def projections(copy_tb_s: float) -> list[dict]:
+    rows = []
+    for name, (n, k) in PROJECTIONS.items():
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(BF16)
+        w8 = quantize_weight(w)
+        for m in (1, 256, 8192):
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            row = {"proj": name, "n": n, "k": k, "m": m}
+            for label, weight, nbytes in (("bf16", w, 2 * n * k), ("fp8", w8, n * k + 4 * n)):
+                us = graphed_ms(lambda x=x, weight=weight: linear(x, weight, None),
+                                calls=20 if m < 8192 else 3) * 1e3
+                row[f"{label}_us"] = us
+                if m == 1:
+                    row[f"{label}_frac_copy"] = nbytes / (us * 1e-6) / (copy_tb_s * 1e12)
+                else:
+                    row[f"{label}_tflops"] = 2 * m * n * k / (us * 1e-6) / 1e12
+            if m > 1:
+                xq, xs = fp8_linear.quantize_per_token(x)
+                sb = w8.scale.view(1, n)
+                row["fp8_scaled_mm_only_us"] = graphed_ms(
+                    lambda xq=xq, xs=xs, sb=sb, q=w8.qweight: torch._scaled_mm(
+                        xq, q.t(), scale_a=xs, scale_b=sb, out_dtype=BF16),
+                    calls=20 if m < 8192 else 3) * 1e3
+                ref = torch_ops.fp8_linear(x.float(), w8.qweight, w8.scale)
+                got = linear(x, w8, None).float()
+                row["fp8_rel_err_vs_w8a8_reference"] = ((got - ref).norm() / ref.norm()).item()
+            row["speedup"] = row["bf16_us"] / row["fp8_us"]
+            rows.append(row)
+            print(f"{name:>8} M={m:<5} bf16 {row['bf16_us']:9.1f} us  fp8 {row['fp8_us']:9.1f} us"
+                  f"  x{row['speedup']:.2f}  "
+                  + (f"weight stream {row['bf16_frac_copy']:.2f} / {row['fp8_frac_copy']:.2f} "
+                     "of copy" if m == 1 else
+                     f"{row['bf16_tflops']:.0f} / {row['fp8_tflops']:.0f} TFLOP/s "
+                     f"(_scaled_mm alone {row['fp8_scaled_mm_only_us']:.1f} us)"), flush=True)
+    return rows + fused_gemvs(copy_tb_s)
+
+
+def fused_gemvs(copy_tb_s: float) -> list[dict]:
+    """Batch 1 as the layer runs it: norm + gate|up, and SiLU-and-mul + down."""
+    rows = []
+    for name, (n, k) in (("norm+gate_up", PROJECTIONS["gate_up"]),
+                         ("act+down", PROJECTIONS["down"])):
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(BF16)
+        w8 = quantize_weight(w)
+        h, res = (torch.randn(1, k, device="cuda", dtype=BF16) for _ in range(2))
+        g = torch.ones(k, device="cuda", dtype=BF16)
+        gate_up = torch.randn(1, 2 * k, device="cuda", dtype=BF16)
+        row = {"proj": name, "n": n, "k": k, "m": 1}
+        for label, weight, nbytes in (("bf16", w, 2 * n * k), ("fp8", w8, n * k + 4 * n)):
+            if name == "act+down":
+                def fn(weight=weight, gate_up=gate_up):
+                    return act_linear(gate_up, weight, None)
+            else:
+                def fn(weight=weight, h=h, res=res, g=g):
+                    return norm_linear(h, res, g, 1e-5, weight, None)
+            us = graphed_ms(fn) * 1e3
+            row[f"{label}_us"] = us
+            row[f"{label}_frac_copy"] = nbytes / (us * 1e-6) / (copy_tb_s * 1e12)
+        row["speedup"] = row["bf16_us"] / row["fp8_us"]
+        rows.append(row)
+        print(f"{name:>12} M=1 bf16 {row['bf16_us']:7.1f} us ({row['bf16_frac_copy']:.2f} of "
+              f"copy)  fp8 {row['fp8_us']:7.1f} us ({row['fp8_frac_copy']:.2f})  "
+              f"x{row['speedup']:.2f}", flush=True)
+    return rows
+
+
+class Fp8DecodeCase(DecodeCase):
+    """gpu_kernels.DecodeCase with its pools in e4m3: the K/V bytes are one per element."""
+
+    def __init__(self, batch: int, ctx: int) -> None:
+        super().__init__(batch, ctx)
+        self.k = torch_ops.to_fp8(self.k)
+        self.v = torch_ops.to_fp8(self.v)
+        torch.cuda.empty_cache()
+        self.bytes = 2 * batch * ctx * KVH * D * 1 + 2 * batch * 32 * D * 2
+
+
+def decode(copy_tb_s: float) -> list[dict]:
+    rows = []
+    for batch in (32, 128, 256):
+        for ctx in (1024, 4096):
+            row = {"batch": batch, "ctx": ctx}
+            for label, cls in (("bf16", DecodeCase), ("fp8", Fp8DecodeCase)):
+                case = cls(batch, ctx)
+                cfg = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"))
+                splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
+                t = case.time(splits, cfg, eager=False)
+                row[f"{label}_us"] = t["us"]
+                row[f"{label}_frac_copy"] = t["tb_s"] / copy_tb_s
+                row[f"{label}_rel_err"] = case.rel_err(splits, cfg)
+                del case
+                torch.cuda.empty_cache()
+            row["speedup"] = row["bf16_us"] / row["fp8_us"]
+            rows.append(row)
+            print(f"decode B={batch:<4} ctx={ctx:<5} bf16 {row['bf16_us']:8.1f} us "
+                  f"({row['bf16_frac_copy']:.2f} of copy)  fp8 {row['fp8_us']:8.1f} us "
+                  f"({row['fp8_frac_copy']:.2f})  x{row['speedup']:.2f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["copy"] = copy_bandwidth()
+    result["matmul"] = matmul_rates()
+    copy_tb_s = result["copy"]["tb_s"]
+    print(f"copy {copy_tb_s:.2f} TB/s; matmul bf16 {result['matmul']['bf16_tflops']:.0f}, "
+          f"fp8 {result['matmul']['fp8_tflops']:.0f} TFLOP/s", flush=True)
+    for name, fn in (("projections", projections), ("decode", decode)):
+        try:
+            result[name] = fn(copy_tb_s)
+        except Exception as e:  # the other section's numbers still count
+            import traceback
+            traceback.print_exc()
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        args.out.write_text(json.dumps(result, indent=1))
+    result["seconds"] = time.monotonic() - t0
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"done in {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# FP8 on the H200 (issue 19), built for ONE device call (kind nvidia-h200), from the repository
+# root; carry the wheels and the generated protos as gpu_suite.sh says:
+#   run(carry=[".whl", "protos/splitserve/v1"], command="bash bench/gpu_fp8.sh [parts]")
+# Parts (default: all, in this order; each under its own time limit, so one that hangs or fails
+# leaves the others their numbers):
+#   tests     the GPU tests of the fp8 kernels and of the kernels that grew an fp8 path
+#   kernels   bench/gpu_fp8.py: ceilings, projections bf16 vs fp8 at M = 1/256/8192, decode
+#             attention on an fp8 pool vs bf16
+#   check     bench/gpu_model_check.py with --quantization fp8 (llama-3.2-1b shape): logits vs
+#             HF float32 on the same weights, next to what W8A8 quantization alone predicts
+#   checkkv   the same with --kv-cache-dtype fp8 as well (reported, not judged)
+#   perf8     bench/gpu_perf.py (llama-3-8b, random weights) T3, T4, T1 with fp8 weights
+#   perf8kv   the same with fp8 weights and an fp8 KV cache
+#   perf16    the same in bf16: the table beside them
+# Logs and JSON go to $OUT/fp8 (./out when OUT is unset), packed at the end into $OUT/fp8.tgz
+# (the device tool returns at most 8 files); a summary of each part closes the output.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+TOP="${OUT:-out}"
+OUT="$TOP/fp8"
+mkdir -p "$OUT"
+EXTRA=/tmp/splitserve-extra
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$EXTRA" ]; then
+    python3 -m pip install -q --no-deps --target "$EXTRA" .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+fi
+export PYTHONPATH="$EXTRA:$PWD" PYTHONUNBUFFERED=1
+PARTS="${*:-tests kernels check checkkv perf8 perf8kv perf16}"
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tail -1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+declare -A rc
+for part in $PARTS; do
+    echo "== $part ($(date +%T))"
+    case $part in
+    tests) timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+            tests/kernels/test_fp8_kernels.py tests/kernels/test_skinny_gemm.py \
+            tests/kernels/test_fused_gemv.py tests/kernels/test_fused_qkv.py \
+            tests/kernels/test_kv_store.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
+    kernels) timeout 150 python3 bench/gpu_fp8.py --out "$OUT/fp8_kernels.json" 2>&1 \
+            | tee "$OUT/fp8_kernels.log" ;;
+    check) timeout 120 python3 bench/gpu_model_check.py --quantization fp8 \
+            --out "$OUT/fp8_model_check.json" 2>&1 | grep -v Warning | tee "$OUT/fp8_check.log" ;;
+    checkkv) timeout 120 python3 bench/gpu_model_check.py --quantization fp8 \
+            --kv-cache-dtype fp8 --out "$OUT/fp8kv_model_check.json" 2>&1 | grep -v Warning \
+            | tee "$OUT/fp8kv_check.log" ;;
+    perf8|perf8kv|perf16)
+        flags=(); [ "$part" != perf16 ] && flags+=(--quantization fp8)
+        [ "$part" = perf8kv ] && flags+=(--kv-cache-dtype fp8)
+        timeout 200 python3 bench/gpu_perf.py --skip-hf --sections T3,T4,T1 --budget 185 \
+            "${flags[@]}" --out "$OUT/perf_$part.json" 2>&1 | tee "$OUT/perf_$part.log" ;;
+    *) echo "unknown part $part"; false ;;
+    esac
+    rc[$part]=${PIPESTATUS[0]}
+done
+echo "== summary"
+tail -n 3 "$OUT/fp8_tests.log" 2>/dev/null
+grep -E "^copy|x[0-9.]+ *$|x[0-9.]+  |decode B=" "$OUT/fp8_kernels.log" 2>/dev/null
+for f in "$OUT"/fp8*_check.log; do [ -f "$f" ] && sed -n '/^model check/,$p' "$f"; done
+for f in "$OUT"/perf_*.log; do [ -f "$f" ] && echo "-- $f" && sed -n '/^ours:/,$p' "$f"; done
+tar czf "$TOP/fp8.tgz" -C "$TOP" fp8 && rm -rf "$OUT"
+echo "== rc: $(for p in $PARTS; do printf '%s=%s ' "$p" "${rc[$p]}"; done)($(date +%T))"
