@@ -185,8 +185,10 @@ class Relay:
                 t.ttft_ms = ms(time.monotonic() - st.arrival)
                 st.usage.num_cached_tokens, st.usage.completion_tokens = resp.num_cached_tokens, 1
                 if resp.finish_reason:
-                    yield st.final(req.request_id, resp.finish_reason, [resp.first_token_id],
-                                   resp.first_text, first_logprobs)
+                    final = st.final(req.request_id, resp.finish_reason, [resp.first_token_id],
+                                     resp.first_text, first_logprobs)
+                    final.prompt_logprobs.extend(resp.prompt_logprobs)
+                    yield final
                     return
                 # With stop strings the first token's text comes from the decode side, whose
                 # matcher sees what follows it (the prefill side had to flush held-back text).

@@ -69,6 +69,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             return self.stream(request, context.time_remaining(), parent)
         if not request.request_id:
             raise InvalidRequestError("a resumable request needs a request_id to reconnect with")
+        if request.params.n > 1:  # resume counts one stream of tokens
+            raise InvalidRequestError("a resumable request takes one choice (n=1)")
         self.resumable.open(request.request_id,
                             self.stream(request, context.time_remaining(), parent))
         return self.resumable.follow(request.request_id)
