@@ -5,6 +5,7 @@ what it needs is healthy, and only the override reserves GPUs."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -111,7 +112,7 @@ def test_start_order(services):
 
 
 def test_redis_and_public_port(services):
-    assert set(services) == {"redis", "prometheus", *ROLES}
+    assert set(services) == {"redis", "prometheus", "grafana", *ROLES}
     assert services["redis"]["command"] == ["redis-server", "--save", "", "--appendonly", "no"]
     # Published on the host's loopback only (issue 7: nothing listens beyond it by default).
     assert services["gateway"]["ports"] == ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"]
@@ -128,6 +129,29 @@ def test_prometheus_scrapes_every_role(services):
         assert (sd["names"], sd["type"], sd["port"]) == ([role], "A", 9400)
     mount = "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
     assert mount in services["prometheus"]["volumes"]
+
+
+def test_grafana_is_provisioned_with_the_dashboard(services):
+    """Grafana mounts the provisioning (the Prometheus data source the dashboard names) and the
+    dashboard folder; tests/stack/test_observability.py checks its queries against the metrics."""
+    grafana = services["grafana"]
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"]
+    assert grafana["depends_on"] == {"prometheus": {"condition": "service_started"}}
+    mounts = {v.split(":")[1]: ROOT / v.split(":")[0] for v in grafana["volumes"]}
+    provisioning, dashboards = mounts["/etc/grafana/provisioning"], mounts["/var/lib/grafana/dashboards"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"]
+    assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "splitserve.yml").read_text())[
+        "providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    dashboard = json.loads((dashboards / "splitserve.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 10 and len({p["id"] for p in dashboard["panels"]}) == len(
+        dashboard["panels"])
+    for panel in panels:
+        assert panel["datasource"]["uid"] == source["uid"]
+        assert panel["targets"] and all(t["expr"] for t in panel["targets"])
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None,

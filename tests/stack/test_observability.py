@@ -1,17 +1,21 @@
 """Metrics and the load generator against a live stack (one gateway, one prefill, one decode
 service, the real model): every service's /metrics moves exactly as the traffic says, promtool
-accepts every exposition, and `splitserve bench` drives the gRPC and HTTP APIs."""
+accepts every exposition, every metric the Grafana dashboard queries is exported, and
+`splitserve bench` drives the gRPC and HTTP APIs."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.serving.metrics import SLO, DecodeMetrics, EngineStats, SpecDecodeStats
 from protos.splitserve.v1 import generation_pb2, types_pb2
 from splitserve.cli import main as cli_main
 from tests.stack.conftest import Stack
@@ -109,3 +113,36 @@ def test_bench_drives_grpc_and_http(small_stack: Stack, tmp_path):
     # The 48-token system prompt is 3 blocks: every request after the first finds them cached.
     assert summaries["http"]["cached_tokens"] == 4 * 48
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / \
+    "splitserve.json"
+# The series of one TYPE line (a counter's line names its _total series already).
+SERIES_SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
+
+
+def test_the_dashboard_queries_only_exported_metrics(small_stack: Stack):
+    """Every splitserve_* series in deploy/grafana's dashboard is in some service's /metrics
+    (a family declared by its TYPE line, so labelled counters with no sample yet count), and
+    every stage's metrics appear on the dashboard."""
+    texts = [(name.split("-")[0], exposition(port))
+             for name, port in small_stack.metrics_ports.items()]
+    # A decode service that speculates also exports the spec_decode_* counters (this stack does
+    # not speculate): the same collector, given speculation's figures.
+    speculating = DecodeMetrics("m", SLO(), lambda: EngineStats(
+        0, 0, 0.0, 0, 0, 0, SpecDecodeStats(5, 20, 12, (5, 4, 2, 1))))
+    texts.append(("decode", speculating.exposition().decode()))
+    exported: dict[str, set[str]] = {}  # series name -> the jobs (roles) exporting it
+    for role, text in texts:
+        for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE):
+            for suffix in SERIES_SUFFIXES.get(kind, ("",)):
+                exported.setdefault(family + suffix, set()).add(role)
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+             for t in p.get("targets", ())]
+    queried = {m for e in exprs for m in re.findall(r"splitserve_[a-z0-9_]+", e)}
+    assert sorted(queried - set(exported)) == []
+    assert set().union(*(exported[m] for m in queried)) == {"gateway", "prefill", "decode"}
+    for e in exprs:  # each query names a job that exports its metrics
+        for metric in re.findall(r"splitserve_[a-z0-9_]+", e):
+            for jobs in re.findall(r'job=~?"([a-z|]+)"', e):
+                assert set(jobs.split("|")) <= exported[metric], (e, exported[metric])
