@@ -106,3 +106,36 @@ def test_model_info(gateway):
         want.max_model_len, want.vocab_size, want.block_size)
     assert info["num_prefill_instances"] == info["num_decode_instances"] == 1
     assert sorted(i["role"] for i in info["instances"]) == ["decode", "prefill"]
+
+
+def test_reflection_describes_the_api_without_proto_files(gateway):
+    """What grpcurl does (README's clients section): the service, its methods and their
+    messages come from the server's reflection, files and imports resolved under protos/'s
+    root (splitserve/v1/...), and a request built from them alone is answered."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from google.protobuf.message_factory import GetMessageClass
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(gateway) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert "splitserve.v1.GenerationService" in database.get_services()
+        pool = DescriptorPool(database)
+        service = pool.FindServiceByName("splitserve.v1.GenerationService")
+        assert service.file.name == "splitserve/v1/generation.proto"
+        assert [d.name for d in service.file.dependencies] == ["splitserve/v1/types.proto"]
+        assert {m.name for m in service.methods} == {
+            "Generate", "GenerateStream", "Tokenize", "ModelInfo", "Abort"}
+        method = service.methods_by_name["Generate"]
+        request_cls = GetMessageClass(method.input_type)
+        response_cls = GetMessageClass(method.output_type)
+        request = request_cls()
+        request.prompt_token_ids.ids.extend(PROMPTS[0])
+        request.params.max_tokens, request.params.ignore_eos = 5, True
+        request.params.temperature = 0.0
+        answer = channel.unary_unary(
+            "/splitserve.v1.GenerationService/Generate",
+            request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString)(request, timeout=60)
+    assert list(answer.token_ids) == python_tokens(gateway, PROMPTS[0], 5)
