@@ -13,6 +13,9 @@
               time, as a fraction of the copy bandwidth (the issue's target: >= 0.85 at
               contexts >= 1k and batch >= 32)
 
+`--sweep` times launch configurations instead: the batch-1 GEMVs on fp8 weights (skinny o,
+norm + gate|up, act + down, fused qkv) and the decode kernel on an fp8 pool.
+
 Times are CUDA-graph replays of back-to-back calls (bench/gpu_kernels.py's helpers; decode
 rotates its block tables over several times the L2).
 Usage: PYTHONPATH=. python3 bench/gpu_fp8.py --out fp8.json
@@ -21,6 +24,7 @@ Usage: PYTHONPATH=. python3 bench/gpu_fp8.py --out fp8.json
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -31,8 +35,9 @@ from triton.testing import do_bench
 
 from common.models.fp8 import quantize_weight
 from common.models.ops_triton import act_linear, linear, norm_linear
-from kernels import fp8_linear, torch_ops
+from kernels import fp8_linear, fused_gemv, fused_qkv, skinny_gemm, torch_ops
 from kernels.decode_attention import DecodeConfig, default_num_splits
+from kernels.skinny_gemm import SkinnyConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_kernels import KVH, D, DecodeCase, copy_bandwidth, graphed_ms  # noqa: E402
@@ -155,9 +160,89 @@ def decode(copy_tb_s: float) -> list[dict]:
     return rows
 
 
+GEMV_CONFIGS = [SkinnyConfig(1, bn, bk, 1, w, st) for bn, bk, w, st in itertools.product(
+    (8, 16, 32), (512, 1024), (4, 8), (3, 4))]
+
+
+def gemv_sweep(copy_tb_s: float) -> list[dict]:
+    """Each batch-1 kernel on fp8 weights of the 8B shapes, over GEMV_CONFIGS (and the
+    default, None): the time and the weight stream's fraction of the copy bandwidth."""
+    dev = torch.device("cuda")
+    rows = []
+    for name, (n, k) in (("o", PROJECTIONS["o"]), ("gate_up", PROJECTIONS["gate_up"]),
+                         ("down", PROJECTIONS["down"]), ("qkv", PROJECTIONS["qkv"])):
+        w8 = quantize_weight((torch.randn(n, k, device=dev) * k ** -0.5).to(BF16))
+        q, s = w8.qweight, w8.scale
+        h, res = (torch.randn(1, k, device=dev, dtype=BF16) for _ in range(2))
+        g = torch.ones(k, device=dev, dtype=BF16)
+        gate_up = torch.randn(1, 2 * k, device=dev, dtype=BF16)
+        kc, vc = (torch.zeros(64, 16, 8, 128, device=dev, dtype=BF16) for _ in range(2))
+        pos, slot = torch.tensor([100], device=dev), torch.tensor([5], device=dev)
+        cos_sin = torch.randn(4096, 128, device=dev)
+
+        def call(cfg, name=name, q=q, s=s, h=h, res=res, g=g, gate_up=gate_up, kc=kc, vc=vc,
+                 pos=pos, slot=slot, cos_sin=cos_sin):
+            if name == "o":
+                return skinny_gemm.skinny_linear(h, q, None, weight_scale=s, config=cfg)
+            if name == "gate_up":
+                return fused_gemv.norm_linear(h, res, g, 1e-5, q, None, weight_scale=s,
+                                              config=cfg)
+            if name == "down":
+                return fused_gemv.act_linear(gate_up, q, None, weight_scale=s, config=cfg)
+            return fused_qkv.norm_qkv_rotary_store(h, res, g, 1e-5, q, None, pos, cos_sin, kc,
+                                                   vc, slot, 32, config=cfg, weight_scale=s)
+
+        timed = []
+        for cfg in [None, *GEMV_CONFIGS]:
+            try:
+                us = graphed_ms(lambda cfg=cfg: call(cfg)) * 1e3
+            except Exception as e:  # a config the kernel refuses (or runs out of registers)
+                print(f"{name} {cfg}: {type(e).__name__}")
+                continue
+            timed.append({"proj": name, "config": None if cfg is None else cfg._asdict(),
+                          "us": us, "frac_copy": (n * k + 4 * n) / (us * 1e-6)
+                          / (copy_tb_s * 1e12)})
+        best = min(timed, key=lambda r: r["us"])
+        default = next(r for r in timed if r["config"] is None)
+        print(f"gemv fp8 {name:>8}: default {default['us']:.1f} us "
+              f"({default['frac_copy']:.2f}); best {best['us']:.1f} us "
+              f"({best['frac_copy']:.2f}) {best['config']}", flush=True)
+        rows += timed
+    return rows
+
+
+def decode_sweep(copy_tb_s: float) -> list[dict]:
+    rows = []
+    for batch, ctx in ((32, 1024), (32, 4096), (128, 4096), (256, 1024)):
+        case = Fp8DecodeCase(batch, ctx)
+        base = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"))
+        timed = []
+        for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            cfg = DecodeConfig(bn, w, st, base.waves, base.fused_merge)
+            splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
+            try:
+                t = case.time(splits, cfg, reps=1, eager=False)
+            except Exception as e:
+                print(f"decode {cfg}: {type(e).__name__}")
+                continue
+            timed.append({"batch": batch, "ctx": ctx, "config": [bn, w, st], "us": t["us"],
+                          "frac_copy": t["tb_s"] / copy_tb_s, "default": cfg == base})
+        best = min(timed, key=lambda r: r["us"])
+        default = next((r for r in timed if r["default"]), None)
+        print(f"decode fp8 B={batch} ctx={ctx}: default "
+              f"{default['frac_copy'] if default else float('nan'):.2f} of copy; best "
+              f"{best['us']:.1f} us ({best['frac_copy']:.2f}) block_n, warps, stages "
+              f"{best['config']}", flush=True)
+        rows += timed
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--sweep", action="store_true", help="time launch configurations")
     args = ap.parse_args()
     t0 = time.monotonic()
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -166,7 +251,9 @@ def main() -> None:
     copy_tb_s = result["copy"]["tb_s"]
     print(f"copy {copy_tb_s:.2f} TB/s; matmul bf16 {result['matmul']['bf16_tflops']:.0f}, "
           f"fp8 {result['matmul']['fp8_tflops']:.0f} TFLOP/s", flush=True)
-    for name, fn in (("projections", projections), ("decode", decode)):
+    parts = ((("gemv_sweep", gemv_sweep), ("decode_sweep", decode_sweep)) if args.sweep
+             else (("projections", projections), ("decode", decode)))
+    for name, fn in parts:
         try:
             result[name] = fn(copy_tb_s)
         except Exception as e:  # the other section's numbers still count

@@ -89,7 +89,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -116,6 +116,8 @@ def _extend_kernel(
     rows = (q_start + first + tok).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if F16_DOT:  # an fp8 pool: its tiles widen to fp16 directly (to bf16 through float32)
+        q = q.to(tl.float16)
 
     kv_end = tl.where(n_tok > 0, prefix + first + n_tok, 0)
     full_end = tl.where(n_tok > 0, (prefix + first) // BLOCK_N * BLOCK_N, 0)
@@ -188,6 +190,7 @@ def paged_attention_extend(
         GROUP=group, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        F16_DOT=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
