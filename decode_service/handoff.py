@@ -23,6 +23,10 @@ Block ownership: the reserved blocks belong to the slot until take() returns the
 gives them to the engine with Prefilled). Whoever ends the slot otherwise (the Decode call
 cancelled, the pull failed, the peer gone) frees them, but only after the pull thread stopped
 writing into them.
+
+Tensor parallelism: every rank pulls its own shard into the same block ids, rank 0 here and the
+others on their threads (common/engine/rank_kv.py), and the pull is accepted when all verified;
+blocks are reserved and freed on rank 0's block manager, once for every rank.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
+from common.engine.rank_kv import RankShards
 from common.errors import HandoffNotFoundError, InvalidRequestError, PeerGoneError, TransferError
 from common.kv_transport.select import KVReceiver
 from common.registry import HandoffDescriptor, Registry
@@ -90,6 +95,7 @@ class HandoffInbox:
         self.gone: dict[str, float] = {}
         self.transports_used: dict[str, int] = {}
         self.metrics = metrics
+        self.shards = RankShards.of(loop.engine)  # the other tensor-parallel ranks, if any
 
     @property
     def pending(self) -> set[str]:
@@ -243,7 +249,17 @@ class HandoffInbox:
         start = time.monotonic()
         pool = self.loop.engine.kv_cache
         try:
-            name = self.receiver.pull(desc, pool, blocks, after)
+            if self.shards is None and desc.tensor_parallel_size != 1:
+                raise TransferError(
+                    f"handoff {desc.request_id}: the prefill instance runs at tensor parallel "
+                    f"size {desc.tensor_parallel_size}, this decode instance at 1; the KV moves "
+                    "rank to rank between instances of one size only")
+            if self.shards is None:
+                name = self.receiver.pull(desc, pool, blocks, after)
+            else:
+                name = self.shards.pull_all(
+                    desc, blocks, self.receiver.timeout_s, self.receiver.host,
+                    lambda rank0: self.receiver.pull(rank0, pool, blocks, after))
         except TransferError as e:
             self.metrics.handoff_failures("transfer").inc()
             return str(e)
@@ -253,7 +269,8 @@ class HandoffInbox:
             return (f"handoff {desc.request_id}: the pull ended {1e3 * (done - deadline):+.1f} ms "
                     f"from the delivery's deadline; the source may have reused its blocks")
         self.transports_used[name] = self.transports_used.get(name, 0) + 1
-        block_bytes = pool.numel() // pool.shape[2] * pool.element_size()
+        block_bytes = (pool.numel() // pool.shape[2] * pool.element_size()
+                       * (self.shards.size if self.shards else 1))  # every rank's shard
         self.metrics.observe_handoff(name, len(blocks) * block_bytes, done - start)
         span.set_attributes({"splitserve.transport": name, "splitserve.blocks": len(blocks),
                              "splitserve.bytes": len(blocks) * block_bytes,

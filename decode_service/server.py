@@ -9,7 +9,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.registry import Registry
 from common.serving import tracing
-from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.serving.grpc_util import GrpcServer, Service, service_name
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
@@ -42,11 +42,13 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     await instance.start(server)
     maintain = asyncio.create_task(_maintain(instance, config.stats_interval_s))
     try:
-        await wait_for_signal()
+        await instance.wait()
     finally:
         await instance.stop(server, config.server.shutdown_grace_s, [maintain],
                             close=[inbox.close, *([metrics_server.close] if metrics_server else [])])
         tracing.shutdown()
+    if instance.failure:  # stopped because the engine cannot step: exit 1, saying why
+        raise SystemExit(f"{instance.kind} {instance.instance_id} stopped: {instance.failure}")
 
 
 async def _maintain(instance: ServiceInstance, interval_s: float) -> None:

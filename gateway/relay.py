@@ -8,7 +8,8 @@
 Both calls go out at once, so the decode side's reservation overlaps the prefill, and nothing of
 the gateway's lies between the prefill's last token and the decode's first step.
 
-or, for prompts up to local_prefill_max_tokens, Decode alone with prefill_locally. A request that
+or, for prompts up to local_prefill_max_tokens (or when no prefill instance has the decode
+instance's tensor parallel size), Decode alone with prefill_locally. A request that
 ends any other way than with its last token (client cancel, Abort, deadline, error) is aborted on
 both services it reached, so each frees its blocks (the prefill side also its held handoff).
 """
@@ -125,8 +126,9 @@ class Relay:
             local = len(req.known_token_ids) <= self.config.local_prefill_max_tokens
             source: dict = {"prefill_locally": True}
             route.set_attribute("splitserve.decode_instance", decode.instance_id)
+            prefill = None if local else await self._pick_prefill(req.known_token_ids, decode)
+            local = prefill is None
             if not local:
-                prefill = await self._pick_prefill(req.known_token_ids)
                 handle.check()
                 handle.prefill = handle.current = prefill
                 source = {"handoff": decode_pb2.Handoff(include_first_text=bool(req.params.stop),
@@ -233,8 +235,12 @@ class Relay:
         return self.router.pick_decode(await self.instances.get("decode"),
                                        len(prompt) + max_tokens)
 
-    async def _pick_prefill(self, prompt: list[int]) -> InstanceInfo:
-        instances = await self.instances.get("prefill")
+    async def _pick_prefill(self, prompt: list[int], decode: InstanceInfo) -> InstanceInfo | None:
+        """None: no prefill instance has decode's tensor parallel size (the decode instance
+        then prefills the prompt itself; Router.pairable)."""
+        instances = self.router.pairable(await self.instances.get("prefill"), decode)
+        if not instances:
+            return None
         cached: dict[str, int] = {}
         if len(instances) > 1 and self.config.router.prefix_token_weight > 0:
             hashes = hash_prefix_blocks(prompt, instances[0].block_size)

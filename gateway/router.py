@@ -9,12 +9,17 @@ where load = max(requests this gateway has in flight there, what the instance la
 running) + what it reported waiting. Reports are up to one heartbeat old, so the gateway's own
 in-flight count keeps a burst of requests from all landing on one instance.
 
+Pairs: a prefill instance hands its KV to a decode instance rank to rank, so the two must have
+the same tensor parallel size; when no prefill instance of the decode instance's size is
+registered (but some of another size are), the decode instance prefills the prompt itself.
+
 Decode: among instances with enough free KV blocks for the request (all, if none has), the one
 with the least load; ties go to more free blocks, then to the instance id.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -22,11 +27,14 @@ from common.errors import NoInstanceError
 from common.registry.records import InstanceInfo
 from gateway.config import RouterConfig
 
+log = logging.getLogger("splitserve.gateway.router")
+
 
 class Router:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.inflight: Counter[str] = Counter()  # instance id -> requests this gateway sent there
+        self.unpaired: set[str] = set()  # decode instances no prefill instance can pair with
 
     def load(self, info: InstanceInfo) -> int:
         return max(self.inflight[info.instance_id], info.num_running) + info.num_waiting
@@ -45,6 +53,22 @@ class Router:
             return (-value, self.load(info), info.instance_id)
 
         return min(instances, key=score)
+
+    def pairable(self, prefills: Sequence[InstanceInfo],
+                 decode: InstanceInfo) -> list[InstanceInfo]:
+        """The prefill instances that can hand their KV to `decode` (its tensor parallel size);
+        all of them when none is registered (pick_prefill then says so). Empty: prefill on the
+        decode instance."""
+        if not prefills:
+            return list(prefills)
+        same = [p for p in prefills if p.tensor_parallel_size == decode.tensor_parallel_size]
+        if not same and decode.instance_id not in self.unpaired:  # said once per instance
+            self.unpaired.add(decode.instance_id)
+            log.warning("no prefill instance runs at tensor parallel size %d like decode "
+                        "instance %s (sizes: %s): it prefills the prompt itself",
+                        decode.tensor_parallel_size, decode.instance_id,
+                        sorted({p.tensor_parallel_size for p in prefills}))
+        return same
 
     def pick_decode(self, instances: Sequence[InstanceInfo], num_tokens: int) -> InstanceInfo:
         """num_tokens: prompt plus max_tokens (the blocks the request may come to need)."""

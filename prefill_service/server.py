@@ -8,13 +8,14 @@ import logging
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine, resolve_device
+from common.engine.rank_kv import RankShards
 from common.kv_transport.grpc_transport import KVTransferServicer
 from common.kv_transport.shm import SharedMemoryPool
 from common.kv_transport.shm_sweep import sweep_stale_pools
 from common.kv_transport.source import KVSource
 from common.registry import Registry
 from common.serving import tracing
-from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
+from common.serving.grpc_util import GrpcServer, Service, service_name
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
@@ -45,7 +46,7 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     instance = ServiceInstance("prefill", config, engine, registry, config.address(server.port))
     tracing.configure("prefill", config.server.otlp_endpoint, instance.instance_id)
     source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
-                      address=instance.address, shm=shm)
+                      address=instance.address, shm=shm, shards=RankShards.of(engine))
     metrics = PrefillMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
     deliveries = Deliveries(instance.loop, config.handoff_lease_s, metrics, tls=tls)
     prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
@@ -63,7 +64,7 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     await instance.start(server)
     background = [asyncio.create_task(_maintain(instance, prefixes, config))]
     try:
-        await wait_for_signal()
+        await instance.wait()
     finally:
         async def drain() -> None:
             await deliveries.close()
@@ -73,6 +74,8 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
                             close=[metrics_server.close] if metrics_server else [],
                             close_after_engine=[source.close, *([shm.close] if shm else [])])
         tracing.shutdown()
+    if instance.failure:  # stopped because the engine cannot step: exit 1, saying why
+        raise SystemExit(f"{instance.kind} {instance.instance_id} stopped: {instance.failure}")
 
 
 async def _maintain(instance: ServiceInstance, prefixes: PrefixSync,

@@ -30,6 +30,7 @@ from common.engine.parallel import RankWorkers, threads_per_rank
 from common.engine.sampler import TokenLogprobs
 from common.engine.structured import GrammarCache, GrammarState
 from common.errors import InvalidRequestError, SplitserveError
+from common.kv_transport.shm import SharedMemoryPool
 from common.models.loader import load_model, model_config, resolve_model
 from common.models.sharding import Shard, shard_layout
 from common.spec_decode.draft_model import kv_bytes_per_block, load_draft_model
@@ -163,7 +164,8 @@ class LLMEngine:
                                      extra_bytes_per_block=draft_bytes)
         if self.ranks is not None:
             self.runner.ranks = self.ranks
-            self.ranks.start_runners(self.runner.num_blocks, self.max_model_len)
+            self.ranks.start_runners(self.runner.num_blocks, self.max_model_len,
+                                     shared_pools=isinstance(kv_cache_allocator, SharedMemoryPool))
         self.speculator = make_speculator(config, self.max_model_len,
                                           num_blocks=self.runner.num_blocks,
                                           backend=self.runner.backend, draft_model=draft_model)

@@ -13,6 +13,10 @@ tells them). A step's input travels as host lists through one pipe per rank, not
 collective, so an idle engine waits on no collective; overlap placeholders (tokens still on rank
 0's device) reach the other ranks by one broadcast of the step's input ids.
 
+The KV handoff (common/engine/rank_kv.py) talks to the ranks over a second pipe each, so that
+its commands (checksum held blocks, pull a peer rank's shard into reserved blocks) run on a
+thread of each rank beside its steps, and never wait behind them.
+
 Failure rules: every collective runs under the group's timeout (--tp-timeout-s); a rank that
 dies breaks the others' collectives at once (gloo: "connection closed by peer") and a thread
 of rank 0 sees it exit, so the next step, or the one in progress, raises RankFailure
@@ -44,6 +48,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -131,23 +136,30 @@ class RankWorkers:
     common.engine.parallel`, each with one end of a socket pair as its pipe) and joins the group
     with them; start_runners() gives them the pool's geometry and waits until each holds its
     model and pool; lead_step() sends every step; close() stops them. A thread per rank watches
-    it exit."""
+    it exit; on_failure, if set, is called (from that thread) with why."""
 
     def __init__(self, config: EngineConfig, device: torch.device):
         self.size = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.tp_timeout_s
         self.failure: str | None = None  # why the ranks cannot step any more
+        self.on_failure: Callable[[str], None] | None = None
         self._closing = False
+        self.kv_conns: list[Connection] = []  # the handoff's pipes (common/engine/rank_kv.py)
+        self.kv_lock = threading.Lock()  # one handoff command round at a time
         store = dist.TCPStore(_HOST, 0, self.size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=self.timeout_s))
         self.conns: list[Connection] = []
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, self.size):
             ours, theirs = socket.socketpair()
+            kv_ours, kv_theirs = socket.socketpair()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "common.engine.parallel", str(rank), str(store.port),
-                 str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+                 str(theirs.fileno()), str(kv_theirs.fileno())],
+                pass_fds=(theirs.fileno(), kv_theirs.fileno()))
             theirs.close()
+            kv_theirs.close()
+            self.kv_conns.append(Connection(kv_ours.detach()))
             conn = Connection(ours.detach())
             conn.send((config, str(device)))
             self.conns.append(conn)
@@ -172,6 +184,8 @@ class RankWorkers:
         if getattr(self, "group", None) is not None:
             self.group.failure = self.failure
         log.error("tensor parallel %s: the engine cannot step again", self.failure)
+        if self.on_failure is not None:
+            self.on_failure(f"tensor parallel {self.failure}")
 
     def _until_failure(self, fn):
         """fn() on a thread, waited for while no rank has exited (then RankFailure)."""
@@ -204,10 +218,12 @@ class RankWorkers:
             except OSError as e:  # a pipe whose rank is gone
                 raise RankFailure(f"tensor parallel rank gone: {self.failure or e}") from e
 
-    def start_runners(self, num_blocks: int, max_model_len: int) -> None:
+    def start_runners(self, num_blocks: int, max_model_len: int,
+                      shared_pools: bool = False) -> None:
         """Each rank builds its runner with rank 0's pool size (the same block ids on every
-        rank); returns when all are ready, or raises RankFailure with a rank's error."""
-        self._send((num_blocks, max_model_len))
+        rank), its pool in a /dev/shm file when shared_pools (a prefill service's, which decode
+        ranks map); returns when all are ready, or raises RankFailure with a rank's error."""
+        self._send((num_blocks, max_model_len, shared_pools))
         try:
             self._replies("ready")
         except BaseException:
@@ -252,15 +268,17 @@ class RankWorkers:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5.0)
                     break
-        for conn in self.conns:
+        for conn in self.conns + self.kv_conns:
             conn.close()
 
 
-def rank_main(rank: int, port: int, conn: Connection) -> None:
+def rank_main(rank: int, port: int, conn: Connection, kv_conn: Connection) -> None:
     """A rank other than 0: join the group, load this rank's shard, build its runner with the
     pool size rank 0 sends, then run every step rank 0 sends until None or rank 0 is gone."""
     from common.engine.engine import resolve_dtype
     from common.engine.model_runner import ModelRunner
+    from common.engine.rank_kv import serve_handoffs
+    from common.kv_transport.shm import SharedMemoryPool
     from common.models.loader import load_model
 
     try:
@@ -283,10 +301,13 @@ def rank_main(rank: int, port: int, conn: Connection) -> None:
         message = conn.recv()
         if message is None:
             return
-        num_blocks, max_model_len = message
+        num_blocks, max_model_len, shared_pools = message
         cache = dataclasses.replace(config.cache, num_kv_blocks=num_blocks)
+        shm = SharedMemoryPool() if shared_pools else None
         runner = ModelRunner(model, mc, dataclasses.replace(config, cache=cache), device, dtype,
-                             max_model_len=max_model_len)
+                             shm, max_model_len=max_model_len)
+        threading.Thread(target=serve_handoffs, args=(rank, runner, kv_conn, shm),
+                         name="tp-handoffs", daemon=True).start()
         conn.send("ready")
         while (message := conn.recv()) is not None:
             follow_step(runner, *message)
@@ -318,4 +339,5 @@ def follow_step(runner, step: StepInput, logits: bool) -> None:
 if __name__ == "__main__":  # a rank > 0, started by RankWorkers
     logging.basicConfig(level=logging.INFO, format=f"tp-rank-{sys.argv[1]} %(message)s")
     from common.engine.parallel import rank_main as main  # the module, not this __main__ copy
-    main(int(sys.argv[1]), int(sys.argv[2]), Connection(int(sys.argv[3])))
+    main(int(sys.argv[1]), int(sys.argv[2]), Connection(int(sys.argv[3])),
+         Connection(int(sys.argv[4])))

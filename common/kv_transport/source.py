@@ -4,13 +4,16 @@ that can reach it, serves export_kv for the gRPC servicer, and fills in handoff 
 Offers: "local" always (the pool enters this process's table), "shm" when the pool was made by a
 SharedMemoryPool, "cuda_ipc" when it is on a GPU, "grpc" when an address serving KVTransferService is
 given. The descriptor lists them all; each receiver picks by locality (select.select_transport).
+Under tensor parallelism the pool is rank 0's and `shards` (common/engine/rank_kv.RankShards)
+reaches the others: the descriptor then lists every rank's shard (HandoffDescriptor.shards).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 
@@ -28,11 +31,22 @@ from common.kv_transport.shm import SharedMemoryPool
 from common.registry.records import HandoffDescriptor
 
 
+class RankShards(Protocol):
+    """The other tensor-parallel ranks' pools (common/engine/rank_kv.py)."""
+    size: int
+
+    def offers(self) -> list[dict[str, dict[str, Any]]]: ...
+
+    def describe(self, desc: HandoffDescriptor,
+                 offers: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]: ...
+
+
 class KVSource:
     def __init__(self, instance_id: str, pool: torch.Tensor, model: str, *,
                  address: str = "", shm: SharedMemoryPool | None = None,
-                 host: str | None = None):
-        """pool: the engine's kv_cache. address: host:port of the gRPC server where this process
+                 host: str | None = None, shards: RankShards | None = None):
+        """pool: the engine's kv_cache (rank 0's under tensor parallelism, `shards` the
+        others'). address: host:port of the gRPC server where this process
         serves KVTransferService ("" = no grpc offer). shm: the allocator that made pool, if any.
         host: override for locality.host_id()."""
         check_pool(pool)
@@ -50,6 +64,8 @@ class KVSource:
             self.offers["cuda_ipc"] = cuda_ipc.describe_pool(pool)
         if address:
             self.offers["grpc"] = {"address": address}
+        self.shards = shards
+        self.rank_offers = shards.offers() if shards is not None else []
 
     def export_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim].
@@ -66,7 +82,7 @@ class KVSource:
         the transfer stream: the engine synced on the step that wrote them before it
         reported them held, and the steps it launched since do not delay the checksum)."""
         layers, _, _, block_size, kv_heads, head_dim = self.pool.shape
-        return HandoffDescriptor(
+        desc = HandoffDescriptor(
             request_id=request_id, source_instance=self.instance_id, source_address=self.address,
             source_host_id=self.host, model=self.model, dtype=dtype_name(self.pool.dtype),
             block_size=block_size, layout=KV_LAYOUT, num_layers=layers, num_kv_heads=kv_heads,
@@ -75,6 +91,10 @@ class KVSource:
             checksum=self.checksum(block_ids),
             transports={name: dict(info) for name, info in self.offers.items()},
             created_at=time.time())
+        if self.shards is None:
+            return desc
+        return replace(desc, tensor_parallel_size=self.shards.size,
+                       shards=self.shards.describe(desc, self.rank_offers))
 
     def checksum(self, block_ids: Sequence[int]) -> int:
         with transfer_stream(self.pool):

@@ -8,7 +8,7 @@ share one registry during a rolling upgrade.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 InstanceKind = Literal["prefill", "decode"]
@@ -42,6 +42,9 @@ class InstanceInfo:
     num_running: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    # Ranks of one engine (--tensor-parallel-size): a handoff goes rank to rank, so the gateway
+    # pairs a prefill and a decode instance only when they have the same size.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -88,6 +91,12 @@ class HandoffDescriptor:
     # The pool's per-tensor scale: K/V = stored value * kv_scale (1.0 for every dtype today,
     # the fp8 pool included: kernels.kv_store); a receiver with another scale refuses the KV.
     kv_scale: float = 1.0
+    # Tensor parallelism: the source's size, and for each of its ranks r (shards[r], rank 0
+    # included, empty at size 1) {"kv_heads": [first, end), "checksum": int, "transports":
+    # {...}}; num_kv_heads is one rank's. Rank r of a receiver of the same size pulls shard r
+    # into its own pool (for_rank); checksum and transports above are rank 0's.
+    tensor_parallel_size: int = 1
+    shards: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -97,6 +106,18 @@ class HandoffDescriptor:
         if self.num_tokens > len(self.block_ids) * self.block_size:
             raise ValueError(f"{self.num_tokens} tokens do not fit in {len(self.block_ids)} "
                              f"blocks of {self.block_size}")
+        if len(self.shards) != (self.tensor_parallel_size if self.tensor_parallel_size > 1
+                                else 0):
+            raise ValueError(f"{len(self.shards)} shards for tensor parallel size "
+                             f"{self.tensor_parallel_size}")
+
+    def for_rank(self, rank: int) -> HandoffDescriptor:
+        """Rank `rank`'s part: its shard's checksum and transports in place of rank 0's."""
+        if self.tensor_parallel_size == 1:
+            return self
+        shard = self.shards[rank]
+        return replace(self, checksum=shard["checksum"], transports=shard["transports"],
+                       tensor_parallel_size=1, shards=[])
 
     def to_json(self) -> str:
         return _to_json(self)

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.engine.core.sampling_params import SamplingParams
-from common.errors import EngineDroppedRequest, EngineLoopStopped
+from common.errors import EngineDroppedRequest, EngineLoopStopped, RankFailure
 
 if TYPE_CHECKING:
     from common.engine.engine import LLMEngine, Prefilled, RequestOutput
@@ -43,6 +43,9 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
+        # Called on the loop's thread with a RankFailure: a tensor-parallel rank is gone and the
+        # engine cannot step again (the service shuts down: common/serving/instance.py).
+        self.on_fatal: Callable[[BaseException], None] | None = None
         engine.wakeup = self._wake  # a structured output's grammar compiled off the thread
 
     def _wake(self) -> None:
@@ -146,6 +149,8 @@ class EngineLoop:
                 except Exception as exc:
                     log.exception("engine step failed; aborting every request")
                     self._abort_all(lambda _rid, exc=exc: exc)
+                    if isinstance(exc, RankFailure) and self.on_fatal is not None:
+                        self.on_fatal(exc)
                     continue
                 self.num_steps += 1
                 self._dispatch(outputs)

@@ -23,6 +23,7 @@ from common.kv_transport.locality import host_id
 from common.registry import Heartbeat, InstanceInfo, InstanceKind, Registry
 from common.serving.config import RegistryConfig, ServerConfig, SLOConfig
 from common.serving.engine_loop import EngineLoop
+from common.serving.grpc_util import wait_for_signal
 from common.serving.metrics import EngineStats, engine_stats
 from protos.splitserve.v1 import types_pb2
 
@@ -83,19 +84,42 @@ class ServiceInstance:
                             model=engine.model_name, host_id=host_id(),
                             block_size=engine.config.cache.block_size,
                             total_blocks=engine.block_manager.num_blocks,
-                            free_blocks=engine.block_manager.num_free_blocks)
+                            free_blocks=engine.block_manager.num_free_blocks,
+                            tensor_parallel_size=engine.config.parallel.tensor_parallel_size)
         self.heartbeat = Heartbeat(registry, info, config.heartbeat_ttl_s)
         self.ready = False  # registered and not draining
+        self.failure: str | None = None  # why the engine cannot serve any more (a rank died)
+        self._failed: asyncio.Future | None = None
 
     async def start(self, server: GrpcServer) -> None:
         """Start the engine's thread, register, then report SERVING on `server` (started with
         serving=False)."""
+        aio = asyncio.get_running_loop()
+        self._failed = aio.create_future()
+
+        def fail(why: object) -> None:  # any thread: a tensor-parallel rank is gone
+            self.failure = self.failure or str(why)
+            aio.call_soon_threadsafe(lambda: self._failed.done() or self._failed.set_result(None))
+        self.loop.on_fatal = fail
+        if self.engine.ranks is not None:
+            self.engine.ranks.on_failure = fail
         self.loop.start()
         self.heartbeat.start()
         self.ready = True
         await server.set_serving(True)
         log.info("%s %s serving %s at %s", self.kind, self.instance_id, self.engine.model_name,
                  self.address)
+
+    async def wait(self) -> None:
+        """Until SIGINT or SIGTERM, or the engine can no longer step (a tensor-parallel rank
+        died: `failure` says why; the instance then stops as on SIGTERM, and its requests,
+        ended UNAVAILABLE, are migrated by the gateway)."""
+        signalled = asyncio.ensure_future(wait_for_signal())
+        await asyncio.wait([signalled, self._failed], return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if self.failure:
+            log.error("%s %s cannot serve: %s; stopping", self.kind, self.instance_id,
+                      self.failure)
 
     async def stats(self, **extra: int) -> types_pb2.InstanceStats:
         """Block accounting read on the engine's thread (a consistent snapshot)."""
@@ -151,6 +175,7 @@ class ServiceInstance:
         for step in close:
             step()
         self.loop.stop()
+        self.engine.close()  # the other tensor-parallel ranks, if any
         for step in close_after_engine:
             step()
         self.registry.close()

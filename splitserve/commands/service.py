@@ -33,15 +33,22 @@ def add_service_arguments(parser: argparse.ArgumentParser, config_cls: type[C],
 def tensor_parallel_refusal(engine: EngineConfig) -> str | None:
     """Why a prefill or decode service cannot run at this tensor parallel size (None: it can).
 
-    The KV handoff moves one pool's blocks ([layers, 2, blocks, block_size, all KV heads,
-    head_dim]); at TP N each rank's pool holds only its KV heads, so a handoff would carry
-    rank 0's heads alone. Until it carries every rank's shard, services run at TP 1."""
+    At TP N the handoff moves each rank's shard rank to rank (common/engine/rank_kv.py), the
+    ranks above 0 reaching their peers' pools through /dev/shm files: CPU pools only. A GPU
+    pool per rank would need a cuda_ipc (or grpc) offer per rank, which is not built."""
     n = engine.parallel.tensor_parallel_size
-    if n == 1:
+    if n == 1 or engine.model.device == "cpu" or (
+            engine.model.device == "auto" and not _cuda_available()):
         return None
-    return (f"--tensor-parallel-size {n}: prefill and decode services run at tensor parallel "
-            "size 1 for now (the KV handoff carries one rank's KV heads, not each rank's "
-            "shard); run-batch serves a model at any size")
+    return (f"--tensor-parallel-size {n} on device {engine.model.device!r}: prefill and decode "
+            "services run tensor parallel on CPU ranks only for now (the handoff reaches the "
+            "other ranks' pools through /dev/shm); run-batch serves a model at any size on "
+            "any device")
+
+
+def _cuda_available() -> bool:
+    import torch  # the services import it anyway; the gateway never comes here
+    return torch.cuda.is_available()
 
 
 def run_service(serve: Serve[C], config_cls: type[C], args: argparse.Namespace) -> int:

@@ -1,0 +1,203 @@
+"""The disaggregated stack at tensor parallel size 2 on CPU ranks (issue 20), real processes:
+
+- prefill TP 2 and decode TP 2: each instance registers once, with its size; every prompt's KV
+  moves rank to rank (the decode side's handoff bytes are every rank's shard of every block, over
+  shm, none recomputed) and the greedy tokens equal the TP 1 in-process engine's; afterwards both
+  pools are full again;
+- prefill TP 2 and decode TP 1: the gateway never pairs them; the decode instance prefills each
+  prompt itself (no Prefill call, no handoff), with the same tokens;
+- one rank of a decode instance SIGKILLed mid-stream: that instance stops (every rank exits, it
+  leaves the registry, exit code 1 naming the rank), the gateway migrates its streams to the
+  other decode instance, and every client gets the undisturbed tokens; nothing stays held.
+
+dummy:tiny-llama (seeded random weights of a Llama shape, 4 heads and 2 KV heads: one KV head per
+rank) keeps each case within a minute or two on two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.core.sampling_params import SamplingParams
+from common.engine.engine import LLMEngine
+from common.flags import build
+from common.registry.embedded import free_port
+from protos.splitserve.v1 import types_pb2
+from tests.chaos.load import Outcome, Spec
+from tests.cluster import (
+    DECODE_FLAGS,
+    GATEWAY_FLAGS,
+    LEASE_S,
+    PREFILL_FLAGS,
+    Cluster,
+    wait_until,
+)
+from tests.reliability.test_scale_down import leftovers, stream
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "dummy:tiny-llama"
+BLOCK_SIZE = 16
+ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
+                "--block-size", str(BLOCK_SIZE), "--cpu-threads", "1"]
+TP2 = ["--tensor-parallel-size", "2"]
+# tiny-llama's KV per block, all KV heads: layers x (K, V) x block_size x kv_heads x head_dim x 4
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+SPECS = [Spec(f"tp-{i}", [5 + (13 * i + 7 * j) % 500 for j in range(9 + 11 * i)], 24)
+         for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    """Greedy outputs of SPECS from one in-process engine at TP 1."""
+    engine = LLMEngine(build(EngineConfig, model=MODEL, device="cpu", dtype="float32",
+                             num_kv_blocks=256, block_size=BLOCK_SIZE))
+    outs = engine.generate([s.prompt for s in SPECS], SamplingParams(
+        max_tokens=SPECS[0].max_tokens, temperature=0.0, ignore_eos=True))
+    return {s.request_id: o.output_token_ids for s, o in zip(SPECS, outs, strict=True)}
+
+
+def metric(port: int, name: str, labels: str = "") -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.search(rf"^splitserve_{name}\{{[^}}]*{labels}[^}}]*\}} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def run_all(cluster: Cluster, specs: list[Spec]) -> list[Outcome]:
+    outcomes = [Outcome(spec) for spec in specs]
+    threads = [threading.Thread(target=stream, args=(cluster.stub, o), daemon=True)
+               for o in outcomes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return outcomes
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The tensor-parallel ranks a service started (its child processes)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+    return False
+
+
+def test_prefill_tp2_to_decode_tp2_moves_every_rank_shard(tmp_path, reference):
+    decode_metrics = free_port()
+    cluster = Cluster(tmp_path, MODEL, num_prefill=1, num_decode=1,
+                      engine_flags=[*ENGINE_FLAGS, *TP2], prefill_flags=PREFILL_FLAGS,
+                      decode_flags=[*DECODE_FLAGS, "--metrics-port", str(decode_metrics)],
+                      gateway_flags=GATEWAY_FLAGS)
+    try:
+        cluster.wait_ready(timeout_s=180)
+        records = {i.kind: i for kind in ("prefill", "decode")
+                   for i in cluster.registry.list_instances(kind)}
+        assert {k: (i.instance_id, i.tensor_parallel_size) for k, i in records.items()} == {
+            "prefill": ("prefill-0-g1", 2), "decode": ("decode-0-g1", 2)}
+        assert len(rank_pids(cluster.procs["decode-0"].pid)) == 1  # rank 1; rank 0 is itself
+
+        outcomes = run_all(cluster, SPECS)
+        assert {o.spec.request_id: (o.code, o.tokens) for o in outcomes} == {
+            rid: (None, tokens) for rid, tokens in reference.items()}, cluster.logs()
+        # Every prompt's KV came over the handoff, every rank's shard of every block over shm.
+        blocks = sum(-(-len(s.prompt) // BLOCK_SIZE) for s in SPECS)
+        assert metric(decode_metrics, "handoff_bytes_total", 'transport="shm"') \
+            == blocks * BLOCK_BYTES
+        assert metric(decode_metrics, "handoff_seconds_count", 'transport="shm"') == len(SPECS)
+        assert metric(decode_metrics, "handoff_failures_total", 'reason="transfer"') == 0
+        assert cluster.wait_idle(timeout_s=LEASE_S + 10) == {}
+        assert leftovers(cluster) == {}
+    finally:
+        cluster.close()
+    assert cluster.stale_shm_files() == []  # every rank's pool file went with its rank
+
+
+def test_prefill_tp2_is_never_paired_with_decode_tp1(tmp_path, reference):
+    cluster = Cluster(tmp_path, MODEL, num_prefill=1, num_decode=1, engine_flags=ENGINE_FLAGS,
+                      prefill_flags=[*PREFILL_FLAGS, *TP2], decode_flags=DECODE_FLAGS,
+                      gateway_flags=GATEWAY_FLAGS)
+    try:
+        cluster.wait_ready(timeout_s=180)
+        sizes = {i.kind: i.tensor_parallel_size for kind in ("prefill", "decode")
+                 for i in cluster.registry.list_instances(kind)}
+        assert sizes == {"prefill": 2, "decode": 1}
+        outcomes = run_all(cluster, SPECS[:3])
+        assert {o.spec.request_id: (o.code, o.tokens) for o in outcomes} == {
+            s.request_id: (None, reference[s.request_id]) for s in SPECS[:3]}, cluster.logs()
+        # The decode instance prefilled them itself: the prefill instance never saw them.
+        prefill = cluster.stats()[cluster.instance_ids["prefill-0"]]
+        assert prefill.num_cached_blocks == 0
+        assert "no prefill instance runs at tensor parallel size 1 like decode instance " \
+            "decode-0-g1 (sizes: [2])" in (tmp_path / "gateway.log").read_text()
+        assert leftovers(cluster) == {}
+    finally:
+        cluster.close()
+
+
+def test_a_decode_rank_killed_mid_stream(tmp_path, reference):
+    specs = [Spec(f"kill-{i}", s.prompt, 200) for i, s in enumerate(SPECS)]
+    engine = LLMEngine(build(EngineConfig, model=MODEL, device="cpu", dtype="float32",
+                             num_kv_blocks=256, block_size=BLOCK_SIZE))
+    want = [o.output_token_ids for o in engine.generate(
+        [s.prompt for s in specs], SamplingParams(max_tokens=200, temperature=0.0,
+                                                  ignore_eos=True))]
+    cluster = Cluster(tmp_path, MODEL, num_prefill=1, num_decode=2,
+                      engine_flags=[*ENGINE_FLAGS, *TP2], prefill_flags=PREFILL_FLAGS,
+                      decode_flags=DECODE_FLAGS, gateway_flags=GATEWAY_FLAGS)
+    try:
+        cluster.wait_ready(timeout_s=180)
+        outcomes = [Outcome(spec) for spec in specs]
+        threads = [threading.Thread(target=stream, args=(cluster.stub, o), daemon=True)
+                   for o in outcomes]
+        for t in threads:
+            t.start()
+        wait_until("every stream under way", lambda: all(len(o.tokens) >= 3 for o in outcomes),
+                   60, interval_s=0.01)
+        stats = cluster.stats()
+        running = {slot: stats[cluster.instance_ids[slot]].num_running
+                   for slot in ("decode-0", "decode-1")}
+        victim = max(running, key=running.get)
+        victim_id = cluster.instance_ids[victim]
+        proc = cluster.procs[victim]
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 1
+        received = [len(o.tokens) for o in outcomes]
+        killed = time.monotonic()
+        subprocess.run(["kill", "-KILL", str(ranks[0])], check=True)  # rank 1 of the victim
+        exit_code = proc.wait(timeout=60)
+        exit_s = time.monotonic() - killed
+        del cluster.instance_ids[victim]
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert running[victim] >= 1 and all(n < 200 for n in received)
+        assert exit_code == 1, cluster.logs([victim])
+        # Its rank 0 saw rank 1 exit (or its collective break first, whichever came first).
+        assert f"decode {victim_id} stopped: tensor parallel " \
+            in (tmp_path / f"{victim}.log").read_text()
+        assert not any(alive(pid) for pid in [proc.pid, *ranks])
+        assert victim_id not in cluster.registered()
+        assert exit_s < 30
+        assert {o.spec.request_id: (o.code, o.tokens) for o in outcomes} == {
+            s.request_id: (None, w) for s, w in zip(specs, want, strict=True)}, \
+            cluster.logs(["gateway", victim])
+        assert all(o.finish_reason == types_pb2.FINISH_REASON_LENGTH for o in outcomes)
+        assert sum(o.migrations for o in outcomes) >= 1
+        with contextlib.suppress(TimeoutError):
+            wait_until("the stack idle", lambda: not leftovers(cluster), LEASE_S + 10)
+        assert leftovers(cluster) == {}
+    finally:
+        cluster.close()
