@@ -238,8 +238,9 @@ class Relay:
     async def _pick_prefill(self, prompt: list[int], decode: InstanceInfo) -> InstanceInfo | None:
         """None: no prefill instance has decode's tensor parallel size (the decode instance
         then prefills the prompt itself; Router.pairable)."""
-        instances = self.router.pairable(await self.instances.get("prefill"), decode)
-        if not instances:
+        registered = await self.instances.get("prefill")
+        instances = self.router.pairable(registered, decode)
+        if registered and not instances:
             return None
         cached: dict[str, int] = {}
         if len(instances) > 1 and self.config.router.prefix_token_weight > 0:

@@ -11,10 +11,28 @@ from gateway.router import Router
 
 
 def info(iid: str, kind: str = "prefill", *, running: int = 0, waiting: int = 0,
-         free: int = 100) -> InstanceInfo:
+         free: int = 100, tp: int = 1) -> InstanceInfo:
     return InstanceInfo(instance_id=iid, kind=kind, address=f"{iid}:1", model="m",
                         block_size=16, num_running=running, num_waiting=waiting,
-                        free_blocks=free, total_blocks=100)
+                        free_blocks=free, total_blocks=100, tensor_parallel_size=tp)
+
+
+def test_prefill_pairs_only_with_a_decode_instance_of_its_tensor_parallel_size(caplog):
+    router = Router(RouterConfig())
+    p1, p2a, p2b, d1, d2, d4 = (info("p1"), info("p2a", tp=2), info("p2b", tp=2),
+                                info("d1", "decode"), info("d2", "decode", tp=2),
+                                info("d4", "decode", tp=4))
+    assert router.pairable([p1, p2a, p2b], d2) == [p2a, p2b]
+    assert router.pairable([p1, p2a, p2b], d1) == [p1]
+    assert router.pairable([], d1) == []  # pick_prefill says none is registered
+    with pytest.raises(NoInstanceError):
+        router.pick_prefill(router.pairable([], d1), {})
+    # None of its size: the decode instance prefills itself, said once per instance.
+    assert router.pairable([p1, p2a], d4) == []
+    assert router.pairable([p1, p2a], d4) == []
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["no prefill instance runs at tensor parallel size 4 like decode instance "
+                    "d4 (sizes: [1, 2]): it prefills the prompt itself"]
 
 
 def test_prefill_prefers_the_instance_holding_the_prefix():

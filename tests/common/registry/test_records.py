@@ -29,6 +29,26 @@ def test_descriptor_round_trips_and_validates() -> None:
         dataclasses.replace(desc, block_ids=[])
 
 
+def test_a_tensor_parallel_descriptor_names_each_rank_shard() -> None:
+    """Size 3 (one of SmolLM2's 3 KV heads per rank): shards[r] is rank r's; for_rank(r) is the
+    plain descriptor rank r of a receiver pulls with, and a shard count that is not the size is
+    refused."""
+    base = _desc("r2")
+    shards = [{"kv_heads": [r, r + 1], "checksum": 100 + r,
+               "transports": {"shm": {"path": f"/dev/shm/rank{r}.kv"}}} for r in range(3)]
+    desc = dataclasses.replace(base, num_kv_heads=1, tensor_parallel_size=3, shards=shards)
+    assert HandoffDescriptor.from_json(desc.to_json()) == desc
+    rank2 = desc.for_rank(2)
+    assert (rank2.checksum, rank2.transports, rank2.tensor_parallel_size, rank2.shards) == (
+        102, {"shm": {"path": "/dev/shm/rank2.kv"}}, 1, [])
+    assert (rank2.block_ids, rank2.num_kv_heads) == (base.block_ids, 1)
+    assert base.for_rank(0) is base
+    with pytest.raises(ValueError, match="2 shards for tensor parallel size 3"):
+        dataclasses.replace(desc, shards=shards[:2])
+    assert InstanceInfo.from_json(InstanceInfo("d1", "decode", "a:1", "m").to_json()
+                                  ).tensor_parallel_size == 1
+
+
 def test_clear_instance_leaves_the_namespace_empty(registry: Registry) -> None:
     ns = registry.namespace
     for iid in ("p1", "p2"):
