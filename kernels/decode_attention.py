@@ -48,7 +48,8 @@ class DecodeConfig:
     fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
 
     @classmethod
-    def for_batch(cls, batch: int, kv_heads: int, device: torch.device) -> DecodeConfig:
+    def for_batch(cls, batch: int, kv_heads: int, device: torch.device,
+                  fp8: bool = False) -> DecodeConfig:
         """The launch parameters for a decode of `batch` sequences (H200, llama-3-8b shapes,
         bench/NOTES.md "the engine sweep"), by the programs batch * kv_heads make before
         splitting, against the multiprocessors:
@@ -58,9 +59,14 @@ class DecodeConfig:
             >  1/8 of them: the fused merge, one launch fewer (batch 8: 12.4 -> 10.9 us, 16:
                             18.0 -> 16.2, 32: 26.8 -> 25.8); below that the split count is 32
                             and the one merging program reads too much (batch 1: 6.7 vs 7.4)
+
+        An fp8 pool (fp8) takes 128-token tiles where a bf16 one takes 64: half the bytes a
+        tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch 32-256 at 1k-4k: 0.41-0.56 of copy
+        against 0.32-0.45 with 64; 64 was slower than 32 there).
         """
         programs, sms = batch * kv_heads, _processor_count(device)
-        return cls(block_n=32 if 2 * programs <= sms else 64, fused_merge=8 * programs > sms)
+        wide = 128 if fp8 else 64
+        return cls(block_n=32 if 2 * programs <= sms else wide, fused_merge=8 * programs > sms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +314,7 @@ def paged_attention_decode(
     if out is None:
         out = torch.empty_like(q)
     check_tensor("out", out, shape=(b, h, d), dtypes=(q.dtype,), device=dev)
-    config = config or DecodeConfig.for_batch(b, kvh, dev)
+    config = config or DecodeConfig.for_batch(b, kvh, dev, k_cache.dtype == torch.float8_e4m3fn)
     if num_splits is None:
         num_splits = (workspace.num_splits if workspace is not None else default_num_splits(
             b, kvh, block_tables.shape[1] * block_size, dev, config))

@@ -121,7 +121,8 @@ def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,
             cfg: SkinnyConfig | None, weight_scale: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(1, n, dtype=h.dtype, device=h.device)
-    cfg = cfg or default_config(n, k, 1, processor_count(h.device))
+    cfg = cfg or default_config(n, k, 1, processor_count(h.device),
+                                fp8=weight_scale is not None)
     if cfg.block_m != 1 or cfg.split_k != 1:
         raise ValueError(f"{cfg}: the fused GEMV takes block_m 1 and split_k 1")
     _fused_gemv_kernel[(cdiv(n, cfg.block_n),)](

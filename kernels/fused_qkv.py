@@ -116,18 +116,20 @@ def _norm_qkv_rotary_kernel(
     tl.store(v_row + HALF + i, kv_hi, mask=is_v)
 
 
-def qkv_config(n: int, k: int, num_sms: int) -> SkinnyConfig:
+def qkv_config(n: int, k: int, num_sms: int, fp8: bool = False) -> SkinnyConfig:
     """The plain GEMV's launch parameters with 256-wide K tiles in 3 stages: a program keeps two
     accumulators (rows i and i + head_dim / 2), twice the registers of the plain GEMV's one. On
     the H200, llama-3-8b qkv (bench/gpu_matmul.py --fused, two runs): 15.8 us against 16.8 with
-    4 stages and 17.2 with 512-wide tiles (the plain GEMV's), 15.9 vs 16.3 in the other run."""
+    4 stages and 17.2 with 512-wide tiles (the plain GEMV's), 15.9 vs 16.3 in the other run.
+    An fp8 weight (half the bytes a tile) takes 512-wide tiles: 9.4 us against 12.1
+    (bench/gpu_fp8.py --sweep, 2026-12-02)."""
     cfg = default_config(n, k, 1, num_sms)
-    return cfg._replace(block_k=min(256, cfg.block_k), num_stages=3)
+    return cfg._replace(block_k=min(512 if fp8 else 256, cfg.block_k), num_stages=3)
 
 
 def _pairs(n: int, k: int, head_dim: int, device: torch.device,
-           config: SkinnyConfig | None = None) -> tuple[int, SkinnyConfig]:
-    cfg = config or qkv_config(n, k, processor_count(device))
+           config: SkinnyConfig | None = None, fp8: bool = False) -> tuple[int, SkinnyConfig]:
+    cfg = config or qkv_config(n, k, processor_count(device), fp8)
     return min(cfg.block_n // 2, head_dim // 2), cfg
 
 
@@ -180,7 +182,7 @@ def norm_qkv_rotary_store(
     check_tensor("slot_mapping", slot_mapping, shape=(1,), dtypes=(torch.int64,), device=dev)
     if not cos_sin.is_contiguous():
         raise ValueError("cos_sin: must be contiguous")
-    pairs, cfg = _pairs(n, k, d, dev, config)
+    pairs, cfg = _pairs(n, k, d, dev, config, weight_scale is not None)
     if d % 2 or (d // 2) % pairs:
         raise ValueError(f"head_dim {d}: half of it must be a multiple of {pairs}")
     res_out = None

@@ -57,20 +57,24 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = 4   # loop pipelining depth (tiles in flight per program: num_stages - 1)
 
 
-def default_config(n: int, k: int, m: int, num_sms: int = H200_SMS) -> SkinnyConfig:
+def default_config(n: int, k: int, m: int, num_sms: int = H200_SMS, *,
+                   fp8: bool = False) -> SkinnyConfig:
     """Launch parameters for out[m, n] = x[m, k] @ w[n, k].T (sweep: bench/gpu_matmul.py).
 
     Aim: at least 1.5 programs per multiprocessor. M == 1: 16 rows (fewer for small N) of
     512-wide tiles. tl.dot: 4 * M rows (the x re-reads stay under a quarter of the weight's
     bytes), at least 16 and at most 64; x and weight tiles of at most 24 KB together; then
     split-K in powers of two (up to 8, each split at least four tiles) until there are enough
-    programs."""
+    programs. An fp8 weight at M == 1 with K >= 8192 takes 1024-wide tiles (H200 sweep,
+    bench/gpu_fp8.py --sweep, 2026-12-02: llama-3-8b down 18.0 us against 21.8 with 512; at
+    K = 4096, o and gate|up, 512 stayed best)."""
     want = 3 * num_sms // 2
     if m == 1:
         block_n = 16
         while block_n > 4 and cdiv(n, block_n) < want:
             block_n //= 2
-        return SkinnyConfig(1, block_n, min(512, _pow2_at_least(k, 16)))
+        width = 1024 if fp8 and k >= 8192 else 512
+        return SkinnyConfig(1, block_n, min(width, _pow2_at_least(k, 16)))
     block_m = _pow2_at_least(m, 16)
     block_n = min(64, _pow2_at_least(4 * m, 16))
     block_k = min(256, _pow2_at_most(12288 // (block_m + block_n)), _pow2_at_least(k, 16))
@@ -208,7 +212,7 @@ def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
         check_tensor("bias", bias, shape=(n,), dtypes=(x.dtype,), device=dev)
     if m > MAX_M:
         raise ValueError(f"x: {m} rows, more than the {MAX_M} this kernel serves (use F.linear)")
-    cfg = config or default_config(n, k, m, processor_count(dev))
+    cfg = config or default_config(n, k, m, processor_count(dev), fp8=weight_scale is not None)
     _check_config(cfg, m)
     out = torch.empty(m, n, dtype=x.dtype, device=dev)
     if m == 0 or n == 0:

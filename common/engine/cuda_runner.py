@@ -305,7 +305,8 @@ class CudaGraphRunner(ModelRunner):
             torch.arange(biggest + 1, dtype=torch.int32, device=self.device))
         for bucket in reversed(decode_buckets(self.max_seqs)):
             # A fixed split count per bucket: the launch grid must not change between replays.
-            config = DecodeConfig.for_batch(bucket, self.mc.num_kv_heads, self.device)
+            config = DecodeConfig.for_batch(bucket, self.mc.num_kv_heads, self.device,
+                                            fp8=self.kv_dtype == torch.float8_e4m3fn)
             splits = default_num_splits(bucket, self.mc.num_kv_heads,
                                         self.max_blocks * self.block_size, self.device, config)
             # The split partials live outside the graphs' pool, one workspace per bucket, shared
