@@ -209,3 +209,37 @@ def test_a_decode_rank_killed_mid_stream(tmp_path, reference):
         assert leftovers(cluster) == {}
     finally:
         cluster.close()
+
+
+def test_smollm2_prefill_tp3_to_decode_tp3(tmp_path, model_cache_dir):
+    """The real model at size 3 (9 heads and 3 KV heads: one KV head per rank): the stack's
+    greedy tokens equal the TP 1 in-process engine's, and every rank's shard moved."""
+    engine = LLMEngine(build(EngineConfig, model_cache_dir=str(model_cache_dir), device="cpu",
+                             dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE))
+    prompts = [engine.tokenizer.encode(f"Tell me one fact about {topic}.")
+               for topic in ("the moon", "bread", "chess")]
+    specs = [Spec(f"smol-{i}", p, 8) for i, p in enumerate(prompts)]
+    want = {s.request_id: o.output_token_ids for s, o in zip(specs, engine.generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)), strict=True)}
+    del engine
+    decode_metrics = free_port()
+    flags = ["--model-cache-dir", str(model_cache_dir), "--device", "cpu", "--dtype", "float32",
+             "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE), "--cpu-threads", "1",
+             "--tensor-parallel-size", "3"]
+    cluster = Cluster(tmp_path, "SmolLM2-135M-Instruct", num_prefill=1, num_decode=1,
+                      engine_flags=flags, prefill_flags=PREFILL_FLAGS,
+                      decode_flags=[*DECODE_FLAGS, "--metrics-port", str(decode_metrics)],
+                      gateway_flags=GATEWAY_FLAGS)
+    try:
+        cluster.wait_ready(timeout_s=240)
+        outcomes = run_all(cluster, specs)
+        assert {o.spec.request_id: (o.code, o.tokens) for o in outcomes} == {
+            rid: (None, tokens) for rid, tokens in want.items()}, cluster.logs()
+        # SmolLM2's KV per block, all 3 KV heads: 30 layers x 2 x 16 x 3 x 64 x 4 bytes.
+        blocks = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
+        assert metric(decode_metrics, "handoff_bytes_total", 'transport="shm"') \
+            == blocks * 30 * 2 * BLOCK_SIZE * 3 * 64 * 4
+        assert metric(decode_metrics, "handoff_failures_total", 'reason="transfer"') == 0
+        assert cluster.wait_idle(timeout_s=LEASE_S + 10) == {}
+    finally:
+        cluster.close()
