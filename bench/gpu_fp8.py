@@ -144,7 +144,7 @@ def decode(copy_tb_s: float) -> list[dict]:
             row = {"batch": batch, "ctx": ctx}
             for label, cls in (("bf16", DecodeCase), ("fp8", Fp8DecodeCase)):
                 case = cls(batch, ctx)
-                cfg = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"))
+                cfg = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), label == "fp8")
                 splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
                 t = case.time(splits, cfg, eager=False)
                 row[f"{label}_us"] = t["us"]
@@ -215,7 +215,7 @@ def decode_sweep(copy_tb_s: float) -> list[dict]:
     rows = []
     for batch, ctx in ((32, 1024), (32, 4096), (128, 4096), (256, 1024)):
         case = Fp8DecodeCase(batch, ctx)
-        base = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"))
+        base = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), fp8=True)
         timed = []
         for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             cfg = DecodeConfig(bn, w, st, base.waves, base.fused_merge)
