@@ -14,6 +14,10 @@
 #     fastapi==0.163.2 starlette==1.10.0 uvicorn==0.54.0 typing-inspection==0.4.5 \
 #     annotated-types==0.8.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 \
 #     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 --platform manylinux_2_28_x86_64
+# gpu_suite.sh's tests also import jsonschema (tests/common/engine/test_structured.py; without it
+# the whole GPU test collection stops, as it did on 2026-12-02) and xgrammar: add
+#     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
+#     rpds-py==2026.9.1 attrs==26.1.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 # JSON and logs go to $OUT (./out when unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
