@@ -259,7 +259,8 @@ class HandoffInbox:
             else:
                 name = self.shards.pull_all(
                     desc, blocks, self.receiver.timeout_s, self.receiver.host,
-                    lambda rank0: self.receiver.pull(rank0, pool, blocks, after))
+                    lambda rank0: self.receiver.pull(rank0, pool, blocks, after),
+                    self.receiver.tls)
         except TransferError as e:
             self.metrics.handoff_failures("transfer").inc()
             return str(e)

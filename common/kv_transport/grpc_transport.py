@@ -34,14 +34,16 @@ MAX_CHUNK_BYTES = 4 << 20
 
 
 class KVExporter(Protocol):
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], a copy; ValueError or
-        IndexError for a block id outside the pool."""
+    def export_kv(self, block_ids: list[int], rank: int = 0) -> torch.Tensor:
+        """[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], a copy of tensor
+        parallel rank `rank`'s pool; ValueError or IndexError for a block id outside the pool
+        or a rank the source does not have."""
         ...
 
 
-def _export_bytes(source: KVExporter, block_ids: list[int]) -> tuple[memoryview, torch.Tensor]:
-    kv = source.export_kv(block_ids).detach().to("cpu").contiguous()
+def _export_bytes(source: KVExporter, block_ids: list[int],
+                  rank: int) -> tuple[memoryview, torch.Tensor]:
+    kv = source.export_kv(block_ids, rank).detach().to("cpu").contiguous()
     return memoryview(kv.view(-1).view(torch.uint8).numpy()), kv
 
 
@@ -63,7 +65,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"max_chunk_bytes {chunk} above {MAX_CHUNK_BYTES}")
         try:
-            data, kv = await asyncio.to_thread(_export_bytes, self._source, block_ids)
+            data, kv = await asyncio.to_thread(_export_bytes, self._source, block_ids,
+                                               request.tensor_parallel_rank)
         except (ValueError, IndexError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         total = len(data)
@@ -105,7 +108,8 @@ class GrpcTransport(KVTransport):
         buf = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         request = kv_transfer_pb2.PullBlocksRequest(
-            request_id=desc.request_id, block_ids=desc.block_ids, max_chunk_bytes=self.chunk_bytes)
+            request_id=desc.request_id, block_ids=desc.block_ids, max_chunk_bytes=self.chunk_bytes,
+            tensor_parallel_rank=info.get("rank", 0))
         received = 0
         address = info["address"]
         call = self._stub(address).PullBlocks(request, timeout=timeout_s)

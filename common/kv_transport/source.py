@@ -37,6 +37,8 @@ class RankShards(Protocol):
 
     def offers(self) -> list[dict[str, dict[str, Any]]]: ...
 
+    def export(self, rank: int, block_ids: Sequence[int]) -> torch.Tensor: ...
+
     def describe(self, desc: HandoffDescriptor,
                  offers: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]: ...
 
@@ -66,10 +68,19 @@ class KVSource:
             self.offers["grpc"] = {"address": address}
         self.shards = shards
         self.rank_offers = shards.offers() if shards is not None else []
+        if address:  # rank r's shard over grpc: this server asks rank r for it (export_kv)
+            self.rank_offers = [{**offers, "grpc": {"address": address, "rank": r}}
+                                for r, offers in enumerate(self.rank_offers, start=1)]
 
-    def export_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A copy of the blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim].
-        Reads only the pool, so it is safe beside the engine's thread for blocks that are held."""
+    def export_kv(self, block_ids: Sequence[int], rank: int = 0) -> torch.Tensor:
+        """A copy of the blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim],
+        of tensor parallel rank `rank`'s pool. Reads only the pool, so it is safe beside the
+        engine's thread for blocks that are held."""
+        size = self.shards.size if self.shards is not None else 1
+        if not 0 <= rank < size:
+            raise ValueError(f"no tensor parallel rank {rank}: the source has {size}")
+        if rank:
+            return self.shards.export(rank, block_ids)
         num_blocks = self.pool.shape[BLOCK_AXIS]
         if any(not 0 <= b < num_blocks for b in block_ids):
             raise ValueError(f"block ids outside [0, {num_blocks})")

@@ -2,7 +2,7 @@
 
 - prefill TP 2 and decode TP 2: each instance registers once, with its size; every prompt's KV
   moves rank to rank (the decode side's handoff bytes are every rank's shard of every block, over
-  shm, none recomputed) and the greedy tokens equal the TP 1 in-process engine's; afterwards both
+  shm on one host, over grpc from "another host", none recomputed) and the greedy tokens equal the TP 1 in-process engine's; afterwards both
   pools are full again;
 - prefill TP 2 and decode TP 1: the gateway never pairs them; the decode instance prefills each
   prompt itself (no Prefill call, no handoff), with the same tokens;
@@ -20,6 +20,7 @@ import contextlib
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -42,6 +43,7 @@ from tests.cluster import (
     wait_until,
 )
 from tests.reliability.test_scale_down import leftovers, stream
+from tests.stack.test_tls_handoff import ELSEWHERE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -101,9 +103,26 @@ def alive(pid: int) -> bool:
     return False
 
 
-def test_prefill_tp2_to_decode_tp2_moves_every_rank_shard(tmp_path, reference):
+class ElsewhereCluster(Cluster):
+    """Its decode services stand on "another host" (tests/stack/test_tls_handoff.py's trick:
+    another hostname, so another host id): their ranks pull over grpc, not shm."""
+
+    def _launch(self, slot: str, argv: list[str]) -> subprocess.Popen:
+        if not slot.startswith("decode"):
+            return super()._launch(slot, argv)
+        with open(self.log_dir / f"{slot}.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-c", ELSEWHERE, *argv[1:]],
+                                    stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        self.procs[slot] = proc
+        self.all_pids.append(proc.pid)
+        return proc
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"], ids=["one-host", "decode-elsewhere"])
+def test_prefill_tp2_to_decode_tp2_moves_every_rank_shard(tmp_path, reference, transport):
     decode_metrics = free_port()
-    cluster = Cluster(tmp_path, MODEL, num_prefill=1, num_decode=1,
+    cluster = (Cluster if transport == "shm" else ElsewhereCluster)(tmp_path, MODEL, num_prefill=1, num_decode=1,
                       engine_flags=[*ENGINE_FLAGS, *TP2], prefill_flags=PREFILL_FLAGS,
                       decode_flags=[*DECODE_FLAGS, "--metrics-port", str(decode_metrics)],
                       gateway_flags=GATEWAY_FLAGS)
@@ -120,11 +139,12 @@ def test_prefill_tp2_to_decode_tp2_moves_every_rank_shard(tmp_path, reference):
         outcomes = run_all(cluster, SPECS)
         assert {o.spec.request_id: (o.code, o.tokens) for o in outcomes} == {
             rid: (None, tokens) for rid, tokens in reference.items()}, cluster.logs()
-        # Every prompt's KV came over the handoff, every rank's shard of every block over shm.
+        # Every prompt's KV came over the handoff, every rank's shard of every block over the
+        # transport (rank 0's name: every rank chooses by the same host id).
         blocks = sum(-(-len(s.prompt) // BLOCK_SIZE) for s in SPECS)
-        assert metric(decode_metrics, "handoff_bytes_total", 'transport="shm"') \
-            == blocks * BLOCK_BYTES
-        assert metric(decode_metrics, "handoff_seconds_count", 'transport="shm"') == len(SPECS)
+        label = f'transport="{transport}"'
+        assert metric(decode_metrics, "handoff_bytes_total", label) == blocks * BLOCK_BYTES
+        assert metric(decode_metrics, "handoff_seconds_count", label) == len(SPECS)
         assert metric(decode_metrics, "handoff_failures_total", 'reason="transfer"') == 0
         assert cluster.wait_idle(timeout_s=LEASE_S + 10) == {}
         assert leftovers(cluster) == {}

@@ -1,8 +1,8 @@
 """The handoff at tensor parallel size 2 without the services (common/engine/rank_kv.py): two real
 TP 2 engines in this process (each with its rank 1 in a subprocess), the prefill one's pools in
-/dev/shm files. Each rank's shard moves rank to rank and is verified there; the continuation
-equals TP 1's tokens; and what must be refused is refused, by name, before any block is written
-(or with the rank whose shard failed)."""
+/dev/shm files. Each rank's shard moves rank to rank (over shm, and over grpc as from another
+host) and is verified there; the continuation equals TP 1's tokens; and what must be refused is
+refused, by name, before any block is written (or with the rank whose shard failed)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from common.engine.engine import LLMEngine, Prefilled
 from common.engine.rank_kv import RankShards
 from common.errors import TransferError
 from common.flags import build
+from common.kv_transport.grpc_transport import KVTransferServicer
 from common.kv_transport.locality import host_id
 from common.kv_transport.select import KVReceiver
 from common.kv_transport.shm import SharedMemoryPool
 from common.kv_transport.source import KVSource
+from tests.common.kv_transport.test_grpc_transport import AioServer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,12 +113,52 @@ def test_what_a_receiver_refuses(pair):
                                                 "size 3, this decode instance at 2"):
             pull(dataclasses.replace(desc, tensor_parallel_size=3, shards=[*desc.shards,
                                                                            desc.shards[1]]))
-        with pytest.raises(TransferError, match="comes from host 'elsewhere': at tensor "
-                                                "parallel size > 1 the ranks' shards move over "
-                                                "shm on one host only"):
-            pull(dataclasses.replace(desc, source_host_id="elsewhere"))
+        with pytest.raises(ValueError, match="no tensor parallel rank 2: the source has 2"):
+            source.export_kv(held.held_block_ids, rank=2)
         # After every refusal the pipes are still in step: a good pull goes through.
         assert pull(desc) == "local"
     finally:
         decode.kv.free(blocks)
         prefill.kv.release("r2")
+
+
+class _Late:
+    """The servicer's source, set once the server's port (the source's address) is known."""
+    source: KVSource
+
+    def export_kv(self, block_ids, rank=0):
+        return self.source.export_kv(block_ids, rank)
+
+
+def test_each_rank_pulls_its_shard_over_grpc_from_another_host(pair):
+    prefill, decode, _ = pair
+    late = _Late()
+    server = AioServer(KVTransferServicer(late))
+    late.source = source = KVSource("prefill-tp2-grpc", prefill.kv_cache, MODEL,
+                                    address=f"127.0.0.1:{server.port}",
+                                    shards=RankShards.of(prefill))
+    held = finish(prefill, "r3", PROMPT, dataclasses.replace(GREEDY, max_tokens=1),
+                  hold_kv=True)
+    shards = RankShards.of(decode)
+    blocks = decode.kv.reserve(len(held.held_block_ids))
+    try:
+        desc = source.describe("r3", held.held_block_ids, len(PROMPT), [])
+        assert desc.shards[1]["transports"]["grpc"] == {"address": f"127.0.0.1:{server.port}",
+                                                        "rank": 1}
+        # From "another host" (and another process: rank 0's local offer goes): no shm, no
+        # local; every rank pulls its shard over grpc.
+        rank0 = {k: v for k, v in desc.transports.items() if k != "local"}
+        elsewhere = dataclasses.replace(
+            desc, source_host_id="elsewhere", transports=rank0,
+            shards=[{**desc.shards[0], "transports": rank0}, desc.shards[1]])
+        receiver = KVReceiver()
+        name = shards.pull_all(elsewhere, blocks, 10.0, host_id(),
+                               lambda rank0: receiver.pull(rank0, decode.kv_cache, blocks))
+        assert name == "grpc"
+        assert shards.checksums(blocks) == RankShards.of(prefill).checksums(held.held_block_ids)
+        receiver.close()
+    finally:
+        decode.kv.free(blocks)
+        prefill.kv.release("r3")
+        source.close()
+        server.stop()

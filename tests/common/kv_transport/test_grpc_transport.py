@@ -56,9 +56,9 @@ class SlowExporter:
         self.source = source
         self.delay_s = delay_s
 
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+    def export_kv(self, block_ids: list[int], rank: int = 0) -> torch.Tensor:
         time.sleep(self.delay_s)
-        return self.source.export_kv(block_ids)
+        return self.source.export_kv(block_ids, rank)
 
 
 @pytest.fixture
