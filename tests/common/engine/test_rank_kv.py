@@ -22,6 +22,8 @@ from common.kv_transport.locality import host_id
 from common.kv_transport.select import KVReceiver
 from common.kv_transport.shm import SharedMemoryPool
 from common.kv_transport.source import KVSource
+from common.serving.tls import PLAINTEXT
+from tests.certs import make_ca, make_leaf
 from tests.common.kv_transport.test_grpc_transport import AioServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -130,10 +132,18 @@ class _Late:
         return self.source.export_kv(block_ids, rank)
 
 
-def test_each_rank_pulls_its_shard_over_grpc_from_another_host(pair):
+@pytest.mark.parametrize("mtls", [False, True], ids=["plaintext", "mtls"])
+def test_each_rank_pulls_its_shard_over_grpc_from_another_host(pair, tmp_path, mtls):
+    """With mTLS the source's server asks for a client certificate: rank 1 dials with the
+    TLS settings rank 0 hands it (its own certificate, the CA of the source's)."""
     prefill, decode, _ = pair
+    server_tls = client_tls = PLAINTEXT
+    if mtls:
+        ca = make_ca(tmp_path)
+        server_tls = make_leaf(tmp_path, "prefill", ca).tls(ca, client_auth=True)
+        client_tls = make_leaf(tmp_path, "decode", ca).tls(ca)
     late = _Late()
-    server = AioServer(KVTransferServicer(late))
+    server = AioServer(KVTransferServicer(late), server_tls)
     late.source = source = KVSource("prefill-tp2-grpc", prefill.kv_cache, MODEL,
                                     address=f"127.0.0.1:{server.port}",
                                     shards=RankShards.of(prefill))
@@ -151,9 +161,10 @@ def test_each_rank_pulls_its_shard_over_grpc_from_another_host(pair):
         elsewhere = dataclasses.replace(
             desc, source_host_id="elsewhere", transports=rank0,
             shards=[{**desc.shards[0], "transports": rank0}, desc.shards[1]])
-        receiver = KVReceiver()
+        receiver = KVReceiver(tls=client_tls)
         name = shards.pull_all(elsewhere, blocks, 10.0, host_id(),
-                               lambda rank0: receiver.pull(rank0, decode.kv_cache, blocks))
+                               lambda rank0: receiver.pull(rank0, decode.kv_cache, blocks),
+                               client_tls)
         assert name == "grpc"
         assert shards.checksums(blocks) == RankShards.of(prefill).checksums(held.held_block_ids)
         receiver.close()
