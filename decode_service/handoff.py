@@ -41,7 +41,13 @@ import redis
 import torch
 
 from common.engine.rank_kv import RankShards
-from common.errors import HandoffNotFoundError, InvalidRequestError, PeerGoneError, TransferError
+from common.errors import (
+    HandoffNotFoundError,
+    InvalidRequestError,
+    PeerGoneError,
+    RankFailure,
+    TransferError,
+)
 from common.kv_transport.select import KVReceiver
 from common.registry import HandoffDescriptor, Registry
 from common.serving import tracing
@@ -261,7 +267,7 @@ class HandoffInbox:
                     desc, blocks, self.receiver.timeout_s, self.receiver.host,
                     lambda rank0: self.receiver.pull(rank0, pool, blocks, after),
                     self.receiver.tls)
-        except TransferError as e:
+        except (TransferError, RankFailure) as e:  # RankFailure: a rank died mid-pull
             self.metrics.handoff_failures("transfer").inc()
             return str(e)
         done = time.monotonic()

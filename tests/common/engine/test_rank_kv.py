@@ -15,7 +15,7 @@ from common.engine.core.block_manager import hash_prefix_blocks
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine, Prefilled
 from common.engine.rank_kv import RankShards
-from common.errors import TransferError
+from common.errors import RankFailure, TransferError
 from common.flags import build
 from common.kv_transport.grpc_transport import KVTransferServicer
 from common.kv_transport.locality import host_id
@@ -24,6 +24,7 @@ from common.kv_transport.shm import SharedMemoryPool
 from common.kv_transport.source import KVSource
 from common.serving.tls import PLAINTEXT
 from tests.certs import make_ca, make_leaf
+from tests.cluster import wait_until
 from tests.common.kv_transport.test_grpc_transport import AioServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -173,3 +174,23 @@ def test_each_rank_pulls_its_shard_over_grpc_from_another_host(pair, tmp_path, m
         prefill.kv.release("r3")
         source.close()
         server.stop()
+
+
+def test_a_rank_gone_fails_the_pull_with_rank_failure(pair):
+    """A receiver whose rank 1 died: the pull raises RankFailure naming it (the decode service
+    frees the blocks and its instance goes down), before writing anything."""
+    prefill, _, source = pair
+    held = finish(prefill, "r4", PROMPT, dataclasses.replace(GREEDY, max_tokens=1),
+                  hold_kv=True)
+    desc = source.describe("r4", held.held_block_ids, len(PROMPT), [])
+    prefill.kv.release("r4")
+    doomed = LLMEngine(config(2))
+    try:
+        doomed.ranks.procs[0].kill()
+        doomed.ranks.procs[0].wait(10)
+        wait_until("rank 0 to see rank 1 exit", lambda: doomed.ranks.failure, 10)
+        blocks = doomed.kv.reserve(len(desc.block_ids))
+        with pytest.raises(RankFailure, match="tensor parallel rank 1 exited with code -9"):
+            RankShards.of(doomed).pull_all(desc, blocks, 10.0, host_id(), lambda _: "unused")
+    finally:
+        doomed.close()
