@@ -18,7 +18,6 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from common.registry.embedded import free_port
 from protos.splitserve.v1 import generation_pb2, types_pb2
 from tests.cluster import Cluster, wait_until
 
