@@ -1,6 +1,8 @@
 """grpc: the transport that works across hosts. The prefill service serves KVTransferService (see
 protos/splitserve/v1/kv_transfer.proto) from its pool; a receiver pulls the blocks as a stream of
-chunks into a host buffer, then copies them into its pool.
+chunks into a host buffer, then copies them into its pool. Under tensor parallelism each rank of
+the receiver pulls its own shard (the offer names the source rank: PullBlocksRequest.
+tensor_parallel_rank), which the source's rank 0 asks that rank for (common/engine/rank_kv.py).
 
 KVTransferServicer is a grpc.aio servicer (the services run grpc.aio servers); the client side is
 synchronous, for a worker thread, with one deadline over the whole stream.
