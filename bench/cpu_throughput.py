@@ -1,14 +1,23 @@
-"""CPU offline throughput on SmolLM2: splitserve's engine against HF `generate`, same run.
+"""CPU offline throughput on SmolLM2: splitserve's engine, vLLM's CPU build and HF `generate`,
+side by side in one run, on the same token-id workloads.
 
-Workloads (issue 2, targets T10/T11 in ../shared/BENCHMARKS.md):
-  uniform   64 requests, 128 prompt / 64 output tokens; HF at batch 64. Also reported as a
-            fraction of the CPU compute floor: the workload's FLOPs over the fp32 GEMM rate
-            measured in this run.
-  sharegpt  64 requests, ShareGPT-like lengths (prompts 16-600, outputs 8-256, fixed seed);
-            HF in static padded batches of 64 (each batch runs to its longest output).
-EOS is ignored on both sides so every request generates exactly its output length.
+Workloads (built in, or any file in the peer's format with --workload FILE: {"name": str,
+"prompts": [[token ids]], "output_lens": [int]}):
+  uniform   64 requests, 128 prompt / 64 output tokens
+  sharegpt  64 requests, ShareGPT-like lengths (prompts 16-600, outputs 8-256, fixed seed)
+  prefix    64 requests in 8 groups; each group's prompts share a 384-token prefix, then 32
+            tokens of their own; 64 output tokens
+  long      16 requests, 1536 prompt / 64 output tokens
+EOS is ignored everywhere so every request generates exactly its output length; greedy. Each
+system's prefix cache is reset before every repetition (each repetition computes every prompt);
+the best repetition counts. The systems run one after another, never at once.
 
-    .venv/bin/python bench/cpu_throughput.py --json bench/results/cpu_throughput.json
+--peer vllm runs ../shared/peers/vllm_cpu/run.sh (its own venv, all cores bound, tcmalloc and
+Intel OpenMP, vLLM's defaults otherwise) on the same workload files. HF `generate` runs in static
+padded batches of --hf-batch. Each system's settings and the box's load average go in the JSON.
+
+    .venv/bin/python bench/cpu_throughput.py --dtypes float32,bfloat16 --peer vllm \\
+        --json bench/results/cpu_throughput.json
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import json
 import os
 import platform
 import random
+import subprocess
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -28,59 +39,52 @@ from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
 from common.flags import build, leaf
+from common.models.loader import resolve_model
 from common.models.ops_onednn import resolve_cpu_linear
 
-
-def gemm_gflops(hidden: int, inter: int, tokens: int = 2048, repeats: int = 5) -> float:
-    """fp32 GEMM rate on this machine at the model's MLP shape: the best of repeats, so that
-    another process's burst on a shared box lowers neither the rate nor the floor's strictness."""
-    a = torch.randn(tokens, hidden)
-    b = torch.randn(hidden, inter)
-    torch.mm(a, b)
-    rates = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(10):
-            torch.mm(a, b)
-        rates.append(10 * 2 * tokens * hidden * inter / (time.perf_counter() - t) / 1e9)
-    return max(rates)
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT.parent / "shared" / "peers" / "vllm_cpu" / "run.sh"
+BUILT_IN = ("uniform", "sharegpt", "prefix", "long")
 
 
-def workload_flops(mc, prompt_lens: list[int], output_lens: list[int]) -> float:
-    """Matmul FLOPs of the forward passes the workload needs (weights, attention, lm_head)."""
-    h, d, L = mc.hidden_size, mc.head_dim, mc.num_layers
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    per_token = 2 * L * (h * (q + 2 * kv) + q * h + 3 * h * mc.intermediate_size)
-    total = 0.0
-    for p, o in zip(prompt_lens, output_lens, strict=True):
-        n = p + o - 1  # the last sampled token is never fed back
-        total += per_token * n
-        total += 2 * L * 2 * q * (n * (n + 1) / 2)  # QK^T and PV over causal contexts
-        total += 2 * h * mc.vocab_size * o  # logits for each sampled token
-    return total
-
-
-def make_workload(kind: str, n: int, vocab: int, seed: int = 0):
+def make_workload(kind: str, n: int, vocab: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
+
+    def tokens(k: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(k)]
     if kind == "uniform":
-        plens, olens = [128] * n, [64] * n
-    else:  # ShareGPT-like: long-tailed prompts and outputs, synthesised locally
+        prompts, olens = [tokens(128) for _ in range(n)], [64] * n
+    elif kind == "sharegpt":  # long-tailed prompts and outputs, synthesised locally
         plens = [min(600, max(16, int(rng.lognormvariate(4.8, 0.8)))) for _ in range(n)]
         olens = [min(256, max(8, int(rng.lognormvariate(4.2, 0.9)))) for _ in range(n)]
-    prompts = [[rng.randrange(100, vocab) for _ in range(p)] for p in plens]
-    return prompts, olens
+        prompts = [tokens(p) for p in plens]
+    elif kind == "prefix":
+        groups = [tokens(384) for _ in range(8)]
+        prompts, olens = [groups[i % 8] + tokens(32) for i in range(n)], [64] * n
+    elif kind == "long":
+        n = max(1, n // 4)
+        prompts, olens = [tokens(1536) for _ in range(n)], [64] * n
+    else:
+        raise ValueError(f"unknown workload {kind!r} (built in: {', '.join(BUILT_IN)})")
+    return {"name": kind, "prompts": prompts, "output_lens": olens}
 
 
-def run_ours(engine: LLMEngine, prompts, olens) -> float:
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in olens]
-    t = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - t
-    assert [len(o.output_token_ids) for o in outs] == olens
-    return elapsed
+def run_ours(engine: LLMEngine, w: dict, reps: int) -> tuple[float, list[list[int]]]:
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
+              for o in w["output_lens"]]
+    best, first8 = float("inf"), []
+    for _ in range(reps):
+        engine.block_manager.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = engine.generate(w["prompts"], params)
+        best = min(best, time.perf_counter() - t)
+        assert [len(o.output_token_ids) for o in outs] == w["output_lens"]
+        first8 = [o.output_token_ids for o in outs[:8]]
+    return best, first8
 
 
-def run_hf(model, prompts, olens, batch: int) -> float:
+def run_hf(model, w: dict, batch: int) -> float:
+    prompts, olens = w["prompts"], w["output_lens"]
     t = time.perf_counter()
     for s in range(0, len(prompts), batch):
         chunk, outs = prompts[s:s + batch], olens[s:s + batch]
@@ -93,65 +97,135 @@ def run_hf(model, prompts, olens, batch: int) -> float:
     return time.perf_counter() - t
 
 
+def run_vllm(model_dir: str, workload_file: Path, dtype: str, reps: int) -> dict:
+    """The peer's JSON (settings, a row per repetition, first 8 outputs), or {"error": ...}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "vllm.json"
+        done = subprocess.run(["bash", str(PEER), model_dir, str(workload_file), dtype, str(out),
+                               "--reps", str(reps)], capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            return {"error": (done.stderr or done.stdout)[-2000:]}
+        return json.loads(out.read_text())
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many of the first requests' greedy outputs are equal, and the first differing index
+    of each that is not (a measure of numerical drift between two runs)."""
+    firsts = []
+    for x, y in zip(a, b, strict=False):
+        firsts.append(next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q),
+                           None if len(x) == len(y) else min(len(x), len(y))))
+    return {"equal": sum(f is None for f in firsts), "of": len(firsts), "first_diff": firsts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="uniform,sharegpt")
+    ap.add_argument("--workloads", default="uniform,sharegpt",
+                    help=f"built-in workloads, comma-separated ({', '.join(BUILT_IN)})")
+    ap.add_argument("--workload", type=Path, action="append", default=[],
+                    help="a workload file in the peer's format (repeatable)")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32", help="comma-separated: float32, bfloat16")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions per system; best counts")
+    ap.add_argument("--peer", choices=("none", "vllm"), default="none",
+                    help="also run vLLM's CPU build on the same workloads")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run HF transformers' generate")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--skip-hf", action="store_true", help="measure splitserve only")
     cpu_linear = leaf(EngineConfig, "cpu_linear")
     ap.add_argument("--cpu-linear", default=cpu_linear.default, help=cpu_linear.help)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
-    engine = LLMEngine(build(EngineConfig, num_kv_blocks=4096,
-                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                    cpu_linear=args.cpu_linear))
-    mc = engine.model_config
-    from common.models.loader import resolve_model
-    hf = None
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(
-            resolve_model(engine.config.model.name, engine.config.model.model_cache_dir),
-            dtype=torch.float32).eval()
     load_before = os.getloadavg()
-    rate = gemm_gflops(mc.hidden_size, mc.intermediate_size)
-    rows = []
-    for kind in args.workloads.split(","):
-        prompts, olens = make_workload(kind, args.num_requests, mc.vocab_size)
-        flops = workload_flops(mc, [len(p) for p in prompts], olens)
-        ours = run_ours(engine, prompts, olens)
-        theirs = run_hf(hf, prompts, olens, args.hf_batch) if hf is not None else None
-        floor = flops / (rate * 1e9)
-        rows.append({
-            "workload": kind, "requests": len(prompts), "output_tokens": sum(olens),
-            "prompt_tokens": sum(map(len, prompts)), "splitserve_s": round(ours, 2),
-            "hf_s": round(theirs, 2) if theirs else None,
-            "splitserve_tok_s": round(sum(olens) / ours, 1),
-            "hf_tok_s": round(sum(olens) / theirs, 1) if theirs else None,
-            "speedup_vs_hf": round(theirs / ours, 2) if theirs else None,
-            "compute_floor_s": round(floor, 2), "fraction_of_floor": round(floor / ours, 3),
-        })
+    results: list[dict] = []
+    ours_first8: dict[tuple[str, str], list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes.split(","):
+            engine = LLMEngine(build(EngineConfig, num_kv_blocks=4096, dtype=dtype,
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     cpu_linear=args.cpu_linear))
+            mc = engine.model_config
+            model_dir = str(resolve_model(engine.config.model.name,
+                                          engine.config.model.model_cache_dir))
+            workloads = [make_workload(k, args.num_requests, mc.vocab_size)
+                         for k in args.workloads.split(",") if k]
+            workloads += [json.loads(f.read_text()) for f in args.workload]
+            settings = {"max_num_batched_tokens": args.max_num_batched_tokens,
+                        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+                        "block_size": engine.config.cache.block_size,
+                        "cpu_linear": resolve_cpu_linear(args.cpu_linear),
+                        "threads": torch.get_num_threads()}
+            for w in workloads:
+                ours, first8 = run_ours(engine, w, args.reps)
+                ours_first8[(w["name"], dtype)] = first8
+                row = {"workload": w["name"], "dtype": dtype, "requests": len(w["prompts"]),
+                       "prompt_tokens": sum(map(len, w["prompts"])),
+                       "output_tokens": sum(w["output_lens"]), "splitserve_s": round(ours, 2),
+                       "splitserve_settings": settings}
+                if args.peer == "vllm":
+                    path = Path(tmp) / f"{w['name']}.json"
+                    path.write_text(json.dumps(w))
+                    peer = run_vllm(model_dir, path, dtype, args.reps)
+                    row["vllm"] = peer
+                    if "rows" in peer:
+                        row["vllm_s"] = min(r["wall_s"] for r in peer["rows"])
+                        row["vs_vllm"] = round(row["vllm_s"] / ours, 2)
+                        row["agreement_with_vllm"] = agreement(first8, peer["first8_token_ids"])
+                print(f"  {w['name']} {dtype}: splitserve {ours:.2f} s"
+                      + (f", vLLM {row['vllm_s']:.2f} s" if "vllm_s" in row else
+                         (f", vLLM failed: {row['vllm']['error'][-300:]}" if "vllm" in row
+                          else "")), flush=True)
+                results.append(row)
+            del engine
+            if args.hf:
+                from transformers import AutoModelForCausalLM
+                hf = AutoModelForCausalLM.from_pretrained(
+                    model_dir, dtype=getattr(torch, dtype)).eval()
+                for row, w in zip([r for r in results if r["dtype"] == dtype], workloads,
+                                  strict=True):
+                    theirs = run_hf(hf, w, args.hf_batch)
+                    row["hf_s"] = round(theirs, 2)
+                    row["vs_hf"] = round(theirs / row["splitserve_s"], 2)
+                del hf
+    for row in results:  # bf16 against fp32 greedy outputs, for each system run in both
+        if row["dtype"] != "float32" and (row["workload"], "float32") in ours_first8:
+            row["splitserve_agreement_with_fp32"] = agreement(
+                ours_first8[(row["workload"], row["dtype"])],
+                ours_first8[(row["workload"], "float32")])
+            fp32 = next((r for r in results if r["workload"] == row["workload"]
+                         and r["dtype"] == "float32" and "rows" in r.get("vllm", {})), None)
+            if fp32 is not None and "rows" in row.get("vllm", {}):
+                row["vllm_agreement_with_fp32"] = agreement(
+                    row["vllm"]["first8_token_ids"], fp32["vllm"]["first8_token_ids"])
     load = {"before": [round(x, 2) for x in load_before],
             "after": [round(x, 2) for x in os.getloadavg()]}
-    print(f"fp32 GEMM rate: {rate:.1f} GFLOP/s  ({platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads); load average (1, 5, 15 min) before "
-          f"{load['before']}, after {load['after']}")
-    print(f"{'workload':<10}{'ours s':>9}{'HF s':>9}{'ours tok/s':>12}{'HF tok/s':>10}"
-          f"{'x HF':>7}{'floor s':>9}{'of floor':>10}")
-    for r in rows:
-        print(f"{r['workload']:<10}{r['splitserve_s']:>9}{r['hf_s'] or '-':>9}"
-              f"{r['splitserve_tok_s']:>12}{r['hf_tok_s'] or '-':>10}"
-              f"{r['speedup_vs_hf'] or '-':>7}{r['compute_floor_s']:>9}"
-              f"{r['fraction_of_floor']:>10.0%}")
+    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; load average "
+          f"(1, 5, 15 min) before {load['before']}, after {load['after']}")
+    print(f"{'workload':<10}{'dtype':<10}{'ours s':>8}{'vLLM s':>8}{'HF s':>8}"
+          f"{'ours tok/s':>11}{'x vLLM':>8}{'x HF':>7}")
+    for r in results:
+        print(f"{r['workload']:<10}{r['dtype']:<10}{r['splitserve_s']:>8}"
+              f"{r.get('vllm_s', '-'):>8}{r.get('hf_s', '-'):>8}"
+              f"{round(r['output_tokens'] / r['splitserve_s'], 1):>11}"
+              f"{r.get('vs_vllm', '-'):>8}{r.get('vs_hf', '-'):>7}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"date": str(date.today()), "machine": platform.node(),
-                                         "gemm_gflops": rate, "load_average": load,
-                                         "cpu_linear": resolve_cpu_linear(args.cpu_linear),
-                                         "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({
+            "date": str(date.today()), "machine": platform.node(),
+            "cpu": _cpu_model(), "cores": os.cpu_count(), "load_average": load,
+            "torch": torch.__version__, "rows": results}, indent=1))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -128,6 +128,20 @@ class BlockManager:
         if block.ref_count == 0:
             self.free_queue[block_id] = None
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix-cache entries of every unreferenced block (vLLM's
+        reset_prefix_cache; benchmarks call it so that a repetition computes every prompt);
+        blocks in use keep theirs. The number of entries forgotten."""
+        dropped = 0
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                    dropped += 1
+                block.block_hash = None
+        return dropped
+
     def blocks_needed(self, num_held: int, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - num_held)
 

@@ -55,6 +55,24 @@ def test_prefix_reuse_and_lru_eviction():
     bm.check_invariants()
 
 
+def test_reset_prefix_cache_forgets_only_unreferenced_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    kept, dropped = list(range(8)), list(range(100, 108))  # two full blocks each
+    tables = {}
+    for name, tokens in (("kept", kept), ("dropped", dropped)):
+        table: list[int] = []
+        assert bm.allocate(table, 8)
+        bm.cache_full_blocks(table, [], tokens, 8)
+        tables[name] = table
+    bm.free(tables["dropped"])
+    assert bm.reset_prefix_cache() == 2
+    assert bm.match_prefix(dropped + [1])[0] == []   # forgotten: computed again
+    assert bm.match_prefix(kept + [1])[0] == [0, 1]  # in use: still findable
+    assert bm.num_free_blocks == 6 and bm.reset_prefix_cache() == 0
+    bm.free(tables["kept"])
+    bm.check_invariants()
+
+
 def test_shared_blocks_are_refcounted():
     bm = BlockManager(num_blocks=4, block_size=2)
     t1: list[int] = []
