@@ -48,6 +48,7 @@ from common.errors import (
     RankFailure,
     TransferError,
 )
+from common.kv_transport.blocks import handoff_bytes
 from common.kv_transport.select import KVReceiver
 from common.registry import HandoffDescriptor, Registry
 from common.serving import tracing
@@ -276,13 +277,11 @@ class HandoffInbox:
             return (f"handoff {desc.request_id}: the pull ended {1e3 * (done - deadline):+.1f} ms "
                     f"from the delivery's deadline; the source may have reused its blocks")
         self.transports_used[name] = self.transports_used.get(name, 0) + 1
-        block_bytes = (pool.numel() // pool.shape[2] * pool.element_size()
-                       * (self.shards.size if self.shards else 1))  # every rank's shard
-        self.metrics.observe_handoff(name, len(blocks) * block_bytes, done - start)
+        nbytes = handoff_bytes(desc, pool)
+        self.metrics.observe_handoff(name, nbytes, done - start)
         span.set_attributes({"splitserve.transport": name, "splitserve.blocks": len(blocks),
-                             "splitserve.bytes": len(blocks) * block_bytes,
-                             "splitserve.gb_per_s": len(blocks) * block_bytes / 1e9
-                             / max(done - start, 1e-9)})
+                             "splitserve.bytes": nbytes,
+                             "splitserve.gb_per_s": nbytes / 1e9 / max(done - start, 1e-9)})
         log.debug("handoff %s via %s: pull+verify %.2f ms", desc.request_id, name,
                   1e3 * (done - start))
         return ""

@@ -62,8 +62,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             prefilled, reserve_ms, handoff_ms = await self._take_over(request, prompt)
             if prefilled is not None:
-                at = tracing.record_stages(span, start, [("decode.reserve", reserve_ms)])
-                tracing.record("decode.wait_kv", span, at, time.monotonic(),
+                reserved = start + reserve_ms / 1e3
+                tracing.record("decode.reserve", span, start, reserved)
+                tracing.record("decode.wait_kv", span, reserved, time.monotonic(),
                                {"splitserve.recomputed": prefilled.block_ids is None})
             await asyncio.wrap_future(loop.submit(rid, prompt, params, stream, prefilled,
                                                   list(request.output_token_ids)))
@@ -91,7 +92,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()],
                     index=out.index, prompt_logprobs=prompt_logprobs_to_pb(out.prompt_logprobs))
         except BaseException as e:
-            tracing.failed(span, repr(e))
+            if not finished:  # cancelled after its last message: the request completed
+                tracing.failed(span, repr(e))
             raise
         finally:
             if joined is not None:

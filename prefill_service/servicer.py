@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.errors import InvalidRequestError
+from common.kv_transport.blocks import handoff_bytes
 from common.kv_transport.source import KVSource
 from common.serving import tracing
 from common.serving.engine_loop import AsyncOutputStream
@@ -63,6 +64,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         loop = self.instance.loop
         stream = AsyncOutputStream()
         delivering = False  # True once the hand-off task owns releasing the blocks
+        answered = False  # the caller has the last message (a cancel after it is no failure)
         span = tracing.start("prefill", tracing.context_from(context.invocation_metadata()),
                              kind=tracing.SpanKind.SERVER,
                              attributes={"splitserve.request_id": rid,
@@ -94,6 +96,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 self.handing_off.add(rid)
                 handoff.add_done_callback(lambda _: self.handing_off.discard(rid))
                 delivering = True
+            answered = handoff is None
             yield prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=first_token,
                 first_text=final.new_text,
@@ -110,11 +113,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             accepted, deliver_ms = await asyncio.shield(handoff)
             # The prefix index only steers later requests: updated after the handoff.
             self._spawn(self.prefixes.add(final.block_hashes))
+            answered = True
             yield prefill_pb2.PrefillResponse(request_id=rid, delivered=accepted,
                                               deliver_ms=deliver_ms,
                                               instance_id=self.instance.instance_id)
         except BaseException as e:
-            tracing.failed(span, repr(e))
+            if not answered:
+                tracing.failed(span, repr(e))
             raise
         finally:
             span.end()
@@ -143,10 +148,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         end whatever happens (Deliveries does once the call is made)."""
         start = time.monotonic()
         span = tracing.start("handoff.deliver", parent)
-        if span.is_recording():
-            pool = self.source.pool
-            span.set_attributes({"splitserve.blocks": len(block_ids), "splitserve.bytes":
-                                 len(block_ids) * pool[:, :, 0].numel() * pool.element_size()})
         args = (rid, block_ids, num_tokens, block_hashes)
         try:
             # On a GPU the checksum is one kernel and one small read (~0.2 ms): a hop to a
@@ -159,6 +160,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             span.end()
             raise
         described = time.monotonic()
+        if span.is_recording():
+            span.set_attributes({"splitserve.blocks": len(block_ids),
+                                 "splitserve.bytes": handoff_bytes(desc, self.source.pool)})
         accepted, reason, _ = await self.deliveries.deliver(desc, first_token, decode_address,
                                                             tracing.metadata_for(span))
         done = time.monotonic()

@@ -9,8 +9,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from common.registry import HandoffDescriptor
 
 KV_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 # Every pool's per-tensor scale (an fp8 pool's values are the K/V themselves: kernels.kv_store).
@@ -27,6 +31,16 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
     return dtype
+
+
+def handoff_bytes(desc: HandoffDescriptor, pool: torch.Tensor) -> int:
+    """The bytes one handoff moves: its blocks of every tensor-parallel rank's shard (each
+    shard's KV-head range; one rank's heads at size 1). pool: either side's, of the
+    descriptor's dtype."""
+    heads = (sum(end - first for first, end in (s["kv_heads"] for s in desc.shards))
+             if desc.shards else desc.num_kv_heads)
+    return (len(desc.block_ids) * desc.num_layers * 2 * desc.block_size * heads
+            * desc.head_dim * pool.element_size())
 
 
 def check_pool(pool: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ times.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -118,17 +118,6 @@ def record(name: str, parent: Span, start_mono: float, end_mono: float,
         return
     start(name, parent, attributes=attributes, start_ns=wall_ns(start_mono)).end(
         end_time=wall_ns(end_mono))
-
-
-def record_stages(parent: Span, start_mono: float,
-                  stages: Sequence[tuple[str, float]]) -> float:
-    """Back-to-back spans from start_mono, each (name, milliseconds); the monotonic time at the
-    end of the last."""
-    at = start_mono
-    for name, ms in stages:
-        record(name, parent, at, at + ms / 1e3)
-        at += ms / 1e3
-    return at
 
 
 def finished(span: Span, usage: object, finish_reason: int) -> None:

@@ -148,10 +148,13 @@ def test_one_trace_per_request_across_the_stages(cluster, receiver):
     top = by_name["gateway.request"]
     assert top["attrs"]["splitserve.completion_tokens"] == 8
     assert not any(s["error"] for s in spans)
-    for s in spans:  # children within their parent's time (clocks of one host)
+    for s in spans:  # children within their parent's time (clocks of one host); a call on
+        # another service may end a little after its caller: its stream's tail (freeing the
+        # request, ending the span) runs after the caller has read the last message.
         p = next((q for q in spans if q["id"] == s["parent"]), None)
         if p is not None:
-            assert p["start"] - 2_000_000 <= s["start"] <= s["end"] <= p["end"] + 2_000_000, s
+            tail = 2_000_000 if s["service"] == p["service"] else 50_000_000
+            assert p["start"] - 2_000_000 <= s["start"] <= s["end"] <= p["end"] + tail, s
 
 
 def test_a_request_without_trace_context_starts_its_trace_at_the_gateway(cluster, receiver):
