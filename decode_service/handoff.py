@@ -70,6 +70,7 @@ class Taken:
     reserve_ms: float
     handoff_ms: float
     failure: str = ""
+    first_token_unix_s: float = 0.0  # when the prefill sampled the first token (0: unknown)
 
 
 @dataclass(slots=True, eq=False)
@@ -195,10 +196,11 @@ class HandoffInbox:
     # ---- the Deliver call's side --------------------------------------------------------------
     async def deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
                       time_remaining_s: float | None, span: tracing.Span = tracing.NO_SPAN,
-                      ) -> tuple[bool, str]:
+                      first_token_unix_s: float = 0.0) -> tuple[bool, str]:
         """Pull a delivered KV into the reserved blocks and verify it: (accepted, reason). When
         not accepted the waiting Decode call, if any, recomputes the prompt. span: the pull's
-        transport, bytes and rate go on it (common/serving/tracing.py)."""
+        transport, bytes and rate go on it (common/serving/tracing.py). first_token_unix_s:
+        DeliverRequest's, passed on in Taken."""
         arrived = time.monotonic()
         if request_id in self.gone:
             raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
@@ -247,7 +249,8 @@ class HandoffInbox:
             log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
             slot.delivered.set_result(Taken(None, first_token_id, 0.0, handoff_ms, reason))
             return False, reason
-        slot.delivered.set_result(Taken(blocks, first_token_id, 0.0, handoff_ms))
+        slot.delivered.set_result(Taken(blocks, first_token_id, 0.0, handoff_ms,
+                                        first_token_unix_s=first_token_unix_s))
         return True, ""
 
     def _pull(self, desc: HandoffDescriptor, blocks: list[int], after: torch.cuda.Event | None,

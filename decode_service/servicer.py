@@ -60,7 +60,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finished = False
         joined = None
         try:
-            prefilled, reserve_ms, handoff_ms = await self._take_over(request, prompt)
+            prefilled, reserve_ms, handoff_ms, first_token_unix_s = await self._take_over(
+                request, prompt)
+            # The critical path ends here: the KV is in place and verified, the request goes
+            # to the engine's command queue and joins its next step.
+            critical_ms = (1e3 * (time.time() - first_token_unix_s) if first_token_unix_s
+                           else 0.0)
             if prefilled is not None:
                 reserved = start + reserve_ms / 1e3
                 tracing.record("decode.reserve", span, start, reserved)
@@ -88,6 +93,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     num_cached_tokens=out.num_cached_tokens,
                     handoff_ms=handoff_ms if first else 0.0,
                     reserve_ms=reserve_ms if first else 0.0,
+                    handoff_critical_ms=critical_ms if first else 0.0,
                     decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id,
                     logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()],
                     index=out.index, prompt_logprobs=prompt_logprobs_to_pb(out.prompt_logprobs))
@@ -104,11 +110,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 loop.abort(rid)
 
     async def _take_over(self, request: decode_pb2.DecodeRequest, prompt: list[int],
-                         ) -> tuple[Prefilled | None, float, float]:
-        """(what the engine gets, reserve ms, handoff ms): blocks reserved now, filled when the
-        prefill service delivers; None for a local prefill."""
+                         ) -> tuple[Prefilled | None, float, float, float]:
+        """(what the engine gets, reserve ms, handoff ms, the first token's time.time() or 0):
+        blocks reserved now, filled when the prefill service delivers; None for a local
+        prefill."""
         if request.WhichOneof("source") != "handoff":
-            return None, 0.0, 0.0
+            return None, 0.0, 0.0, 0.0
         engine = self.instance.loop.engine
         # Refused before reserving, so the delivery is not waited for in vain (the settings it
         # reads do not change after start-up).
@@ -120,7 +127,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         # A failed delivery leaves block_ids None: the prompt is recomputed here, and the first
         # token stays an output (stop strings, penalties and seeds see what they would have).
         return (Prefilled(taken.block_ids, taken.first_token_id), taken.reserve_ms,
-                taken.handoff_ms)
+                taken.handoff_ms, taken.first_token_unix_s)
 
     async def Deliver(self, request: decode_pb2.DeliverRequest,
                       context: grpc.aio.ServicerContext) -> decode_pb2.DeliverResponse:
@@ -134,7 +141,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             accepted, reason = await self.inbox.deliver(request.request_id, desc,
                                                         request.first_token_id,
-                                                        context.time_remaining(), span)
+                                                        context.time_remaining(), span,
+                                                        request.first_token_unix_s)
         except BaseException as e:
             tracing.failed(span, repr(e))
             raise

@@ -215,6 +215,8 @@ class Relay:
             st.usage.completion_tokens += len(msg.token_ids)
             if msg.handoff_ms:
                 st.timings.handoff_ms = msg.handoff_ms
+            if msg.handoff_critical_ms:
+                st.timings.handoff_critical_ms = msg.handoff_critical_ms
             if local:
                 st.usage.num_cached_tokens = msg.num_cached_tokens
             unfinished -= bool(msg.finish_reason)

@@ -42,25 +42,29 @@ class Deliveries:
         self._channels: list[grpc.aio.Channel] = []
 
     async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
-                      metadata: tuple[tuple[str, str], ...] = ()) -> tuple[bool, str, float]:
+                      metadata: tuple[tuple[str, str], ...] = (),
+                      first_token_unix_s: float = 0.0) -> tuple[bool, str, float]:
         """Deliver held blocks and release them: (accepted, reason, ms). Cancelling the caller
         leaves the delivery running; it releases the blocks when it ends. metadata: sent with
-        the call (the trace context)."""
+        the call (the trace context). first_token_unix_s: when the first token was sampled
+        (time.time()), for the decode side's measure of the critical path."""
         rid = desc.request_id
-        task = asyncio.get_running_loop().create_task(self._deliver(desc, first_token_id,
-                                                                    address, metadata))
+        task = asyncio.get_running_loop().create_task(self._deliver(
+            desc, first_token_id, address, metadata, first_token_unix_s))
         self.inflight[rid] = task
         task.add_done_callback(lambda _: self.inflight.pop(rid, None))
         return await asyncio.shield(task)
 
     async def _deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
-                       metadata: tuple[tuple[str, str], ...]) -> tuple[bool, str, float]:
+                       metadata: tuple[tuple[str, str], ...], first_token_unix_s: float,
+                       ) -> tuple[bool, str, float]:
         start = time.monotonic()
         try:
             reply = await self._stub(address).Deliver(
                 decode_pb2.DeliverRequest(request_id=desc.request_id,
                                           first_token_id=first_token_id,
-                                          descriptor_json=desc.to_json()),
+                                          descriptor_json=desc.to_json(),
+                                          first_token_unix_s=first_token_unix_s),
                 timeout=self.lease_s, metadata=metadata)
             accepted, reason = reply.accepted, reply.reason
         except grpc.aio.AioRpcError as e:

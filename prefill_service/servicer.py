@@ -90,9 +90,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             first_token = final.output_token_ids[len(carried)]
             handoff = None
             if not ends:  # started first: the checksum runs while the first token is written
+                first_token_unix_s = time.time() - (time.monotonic() - m.first_token_time)
                 handoff = self._spawn(self._hand_off(
                     rid, final.held_block_ids, len(prompt) + len(carried), final.block_hashes,
-                    first_token, request.decode_address, span))
+                    first_token, first_token_unix_s, request.decode_address, span))
                 self.handing_off.add(rid)
                 handoff.add_done_callback(lambda _: self.handing_off.discard(rid))
                 delivering = True
@@ -142,17 +143,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillServiceStatsResponse(stats=await self.instance.stats())
 
     async def _hand_off(self, rid: str, block_ids: list[int], num_tokens: int,
-                        block_hashes: list[int], first_token: int, decode_address: str,
-                        parent: tracing.Span) -> tuple[bool, float]:
+                        block_hashes: list[int], first_token: int, first_token_unix_s: float,
+                        decode_address: str, parent: tracing.Span) -> tuple[bool, float]:
         """Checksum the held blocks and deliver them; (accepted, ms). Releases the blocks at its
         end whatever happens (Deliveries does once the call is made)."""
         start = time.monotonic()
         span = tracing.start("handoff.deliver", parent)
         args = (rid, block_ids, num_tokens, block_hashes)
         try:
-            # On a GPU the checksum is one kernel and one small read (~0.2 ms): a hop to a
-            # worker thread and back cost more (2 ms in the services, waiting for the GIL).
-            desc = (self.source.describe(*args) if self.source.pool.is_cuda
+            # On a GPU the engine queued the checksum behind the prompt's last step
+            # (KVConnector.queue_checksum): here it is only read.
+            checksum = (self.instance.loop.engine.kv.checksum_of(rid, block_ids)
+                        if self.source.pool.is_cuda else None)
+            desc = (self.source.describe(*args, checksum) if self.source.pool.is_cuda
                     else await asyncio.to_thread(self.source.describe, *args))
         except BaseException as e:
             self.instance.loop.abort(rid)
@@ -164,7 +167,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             span.set_attributes({"splitserve.blocks": len(block_ids),
                                  "splitserve.bytes": handoff_bytes(desc, self.source.pool)})
         accepted, reason, _ = await self.deliveries.deliver(desc, first_token, decode_address,
-                                                            tracing.metadata_for(span))
+                                                            tracing.metadata_for(span),
+                                                            first_token_unix_s)
         done = time.monotonic()
         span.set_attributes({"splitserve.checksum_ms": ms(described - start),
                              "splitserve.accepted": accepted})

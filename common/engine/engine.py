@@ -422,7 +422,11 @@ class LLMEngine:
                 self.speculator.forget(seq.request_id)
         if out.is_empty:
             return None
-        return out, self.runner.launch(out, draft_probs)
+        pending = self.runner.launch(out, draft_probs)
+        for s in out.scheduled:  # a held prompt's KV is complete: its checksum behind the step
+            if s.samples and s.seq.hold_kv:
+                self.kv.queue_checksum(s.seq.request_id, s.seq.block_table)
+        return out, pending
 
     def _finish_step(self, out: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         result = pending.result()

@@ -13,18 +13,20 @@ to no sequence.
 
 Thread rule: every method runs on the engine's thread (services call through EngineLoop.call),
 except reads of `pool`, the KV pool tensor itself, which transfer threads may read (held blocks)
-and write (reserved blocks) while the engine steps. A copy into reserved blocks on a GPU first
+and write (reserved blocks) while the engine steps, and `checksum_of`, which any thread may call. A copy into reserved blocks on a GPU first
 waits for the event reserve_for_copy() returned, if any (the step in flight may still write
 blocks that were free when it was launched).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from common.engine.core.block_manager import BlockManager
+from common.engine.uploads import to_device
+from common.kv_transport.checksum import combine
 
 
 class KVConnector:
@@ -39,6 +41,9 @@ class KVConnector:
         self._may_write_free = step_in_flight_may_write_free_blocks
         self._use_device = use_device
         self.held: dict[str, list[int]] = {}
+        # Checksums queued right after the step that wrote a held prompt's last KV (see
+        # queue_checksum): request id -> (block ids, pinned [n, 2] sums, event when copied).
+        self._sums: dict[str, tuple[list[int], torch.Tensor, torch.cuda.Event]] = {}
 
     @property
     def pool(self) -> torch.Tensor:
@@ -54,6 +59,7 @@ class KVConnector:
     def release(self, request_id: str) -> bool:
         """Free a request's held blocks; False if it holds none."""
         table = self.held.pop(request_id, None)
+        self._sums.pop(request_id, None)
         if table is None:
             return False
         self.block_manager.free(table)
@@ -62,6 +68,35 @@ class KVConnector:
     def release_all(self) -> None:
         for request_id in list(self.held):
             self.release(request_id)
+
+    def queue_checksum(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """On a GPU, after launching the step that computes a held prompt's last KV: queue the
+        handoff checksum's per-block sums of its blocks on the engine's stream, behind that
+        step, and their copy to the host. They come back with the step (its token is read
+        first: the sums do not delay it), so the delivery needs no GPU work of its own; run
+        after the step, in the prefill process, that work waited up to ~2 ms for the GPU while
+        another process (the decode service) held it. No-op on a CPU."""
+        if self._cuda_index is None or not self.pool.is_contiguous():
+            return
+        from kernels.block_sums import block_sums  # CPU-only processes never load Triton
+        ids = list(block_ids)
+        sums = block_sums(self.pool, to_device(ids, torch.long, self.pool.device))
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._sums[request_id] = (ids, host, event)
+
+    def checksum_of(self, request_id: str, block_ids: Sequence[int]) -> int | None:
+        """Any thread: the handoff checksum (common.kv_transport.checksum) of a held prompt's
+        blocks from what queue_checksum queued, waiting for its step if need be; None when
+        nothing was queued for exactly these blocks (the caller computes it)."""
+        entry = self._sums.get(request_id)
+        if entry is None or entry[0] != list(block_ids):
+            return None
+        ids, host, event = entry
+        event.synchronize()
+        return combine(host.tolist())
 
     def export(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""

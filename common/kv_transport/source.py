@@ -88,10 +88,11 @@ class KVSource:
         return self.pool.index_select(BLOCK_AXIS, index)
 
     def describe(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
-                 block_hashes: Sequence[int]) -> HandoffDescriptor:
-        """The handoff descriptor for held blocks whose KV is computed (checksummed now, on
-        the transfer stream: the engine synced on the step that wrote them before it
-        reported them held, and the steps it launched since do not delay the checksum)."""
+                 block_hashes: Sequence[int], checksum: int | None = None) -> HandoffDescriptor:
+        """The handoff descriptor for held blocks whose KV is computed. checksum: theirs, if
+        the engine computed it (KVConnector.checksum_of); else computed now, on the transfer
+        stream (the engine synced on the step that wrote them before it reported them held,
+        and the steps it launched since do not delay the checksum)."""
         layers, _, _, block_size, kv_heads, head_dim = self.pool.shape
         desc = HandoffDescriptor(
             request_id=request_id, source_instance=self.instance_id, source_address=self.address,
@@ -99,7 +100,7 @@ class KVSource:
             block_size=block_size, layout=KV_LAYOUT, num_layers=layers, num_kv_heads=kv_heads,
             head_dim=head_dim, num_tokens=num_tokens, block_ids=list(block_ids),
             block_hashes=[int(h) for h in block_hashes],
-            checksum=self.checksum(block_ids),
+            checksum=self.checksum(block_ids) if checksum is None else checksum,
             transports={name: dict(info) for name, info in self.offers.items()},
             created_at=time.time())
         if self.shards is None:

@@ -98,6 +98,8 @@ def test_32_concurrent_streams_match_the_in_process_engine(stack, reference):
         assert final.timings.prefill_instance.startswith("prefill-")
         if len(want.output_token_ids) > 1:
             assert final.timings.decode_instance.startswith("decode-")
+            # first token -> queued in the decode engine with the KV verified, one host's clock
+            assert 0 < final.timings.handoff_critical_ms < final.timings.total_ms
     used = {m[-1].timings.prefill_instance for m in answers}
     assert used == {"prefill-0", "prefill-1"}  # the load was spread
     assert {m[-1].timings.decode_instance for m in answers} >= {"decode-0", "decode-1"}
