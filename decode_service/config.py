@@ -13,6 +13,9 @@ class DecodeServiceConfig(InstanceConfig):
     pull_timeout_s: float = opt(30.0, "longest a KV pull from a prefill service may take")
     deliver_wait_s: float = opt(5.0, "how long a prefill service's delivery waits for the "
                                 "request's Decode call to arrive (the gateway sends both at once)")
+    doorbell: bool = opt(True, "open a delivery doorbell, a Unix datagram socket through which "
+                         "prefill services on this host start the KV pull without waiting for "
+                         "a gRPC hop (common/serving/doorbell.py); never with TLS")
     peer_check_s: float = opt(1.0, "while a request waits for its KV, how often the prefill "
                               "instance's registry record is checked; when it is gone the "
                               "reserved blocks are freed")

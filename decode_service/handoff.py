@@ -24,6 +24,12 @@ gives them to the engine with Prefilled). Whoever ends the slot otherwise (the D
 cancelled, the pull failed, the peer gone) frees them, but only after the pull thread stopped
 writing into them.
 
+Doorbell (common/serving/doorbell.py): on one host the prefill service rings before it calls
+Deliver; ring() starts the same pull at once, for a request whose blocks are reserved and which
+nobody pulls yet, and the Deliver call that follows answers with that pull's outcome (`rung`
+keeps it for the call). A ring never frees or takes anything the Deliver call would not: it is
+the same deliver() with the ring's deadline, which ends before the call's can.
+
 Tensor parallelism: every rank pulls its own shard into the same block ids, rank 0 here and the
 others on their threads (common/engine/rank_kv.py), and the pull is accepted when all verified;
 blocks are reserved and freed on rank 0's block manager, once for every rank.
@@ -81,6 +87,7 @@ class _Slot:
     delivered: asyncio.Future         # Taken, set by deliver()
     blocks: list[int] = field(default_factory=list)  # reserved, not yet handed to anyone
     pulling: bool = False             # the pull thread writes into blocks
+    claimed: bool = False             # a delivery (call or doorbell) has begun on this slot
     ended: bool = False               # the Decode call left: nobody takes the blocks
 
 
@@ -104,6 +111,9 @@ class HandoffInbox:
         self.transports_used: dict[str, int] = {}
         self.metrics = metrics
         self.shards = RankShards.of(loop.engine)  # the other tensor-parallel ranks, if any
+        # Pulls a doorbell started, by request id, until the Deliver call for it comes (or a
+        # while after: the prefill may be gone).
+        self.rung: dict[str, asyncio.Task] = {}
 
     @property
     def pending(self) -> set[str]:
@@ -193,6 +203,36 @@ class HandoffInbox:
     def _free(self, blocks: list[int]) -> None:
         self.loop.call(lambda e: e.kv.free(blocks))
 
+    # ---- the doorbell ------------------------------------------------------------------------
+    def ring(self, message: dict) -> None:
+        """A doorbell's datagram (on the event loop's thread): start the pull now if the
+        request's blocks are reserved and nobody pulls them yet; else leave it to Deliver."""
+        rid = message.get("request_id")
+        slot = self.slots.get(rid) if isinstance(rid, str) else None
+        if (slot is None or slot.claimed or not slot.reserved.done()
+                or slot.reserved.cancelled() or slot.delivered.done() or slot.ended):
+            return
+        try:
+            desc = HandoffDescriptor.from_json(message["descriptor_json"])
+            first_token_id = int(message["first_token_id"])
+            remaining = float(message["deadline_unix_s"]) - time.time()
+            first_token_unix_s = float(message.get("first_token_unix_s", 0.0))
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("request %s: a doorbell ring without a usable descriptor: %s", rid, e)
+            return
+        if remaining <= DEADLINE_MARGIN_S or desc.request_id != rid:
+            return
+        slot.claimed = True
+        task = asyncio.get_running_loop().create_task(self._deliver(
+            rid, desc, first_token_id, remaining, tracing.NO_SPAN, first_token_unix_s))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by Deliver
+        self.rung[rid] = task
+        self.metrics.handoffs_rung.inc()
+        # Forgotten if its Deliver call never comes (the prefill died after ringing).
+        asyncio.get_running_loop().call_later(
+            max(remaining, self.wait_s) + 1.0,
+            lambda: self.rung.pop(rid, None) if self.rung.get(rid) is task else None)
+
     # ---- the Deliver call's side --------------------------------------------------------------
     async def deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
                       time_remaining_s: float | None, span: tracing.Span = tracing.NO_SPAN,
@@ -200,11 +240,23 @@ class HandoffInbox:
         """Pull a delivered KV into the reserved blocks and verify it: (accepted, reason). When
         not accepted the waiting Decode call, if any, recomputes the prompt. span: the pull's
         transport, bytes and rate go on it (common/serving/tracing.py). first_token_unix_s:
-        DeliverRequest's, passed on in Taken."""
+        DeliverRequest's, passed on in Taken. When a doorbell already started the pull, its
+        outcome (raised errors included) is this call's."""
+        rung = self.rung.pop(request_id, None)
+        if rung is not None:
+            span.set_attribute("splitserve.doorbell", True)
+            return await asyncio.shield(rung)
+        return await self._deliver(request_id, desc, first_token_id, time_remaining_s, span,
+                                   first_token_unix_s)
+
+    async def _deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
+                       time_remaining_s: float | None, span: tracing.Span,
+                       first_token_unix_s: float) -> tuple[bool, str]:
         arrived = time.monotonic()
         if request_id in self.gone:
             raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
         slot = self._slot(request_id)
+        slot.claimed = True
         try:
             blocks, after = await asyncio.wait_for(asyncio.shield(slot.reserved), self.wait_s)
         except asyncio.CancelledError:

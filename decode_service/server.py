@@ -9,6 +9,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.registry import Registry
 from common.serving import tracing
+from common.serving.doorbell import DoorbellListener
 from common.serving.grpc_util import GrpcServer, Service, service_name
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics
@@ -35,6 +36,7 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     server.add(Service(DecodeServicer(instance, inbox, metrics),
                        decode_pb2_grpc.add_DecodeServiceServicer_to_server,
                        service_name(decode_pb2, "DecodeService")))
+    doorbell = _open_doorbell(config, tls, instance.address, inbox)
     listen = config.server
     metrics_server = metrics.serve(listen.host, listen.metrics_port,
                                    instance.health) if listen.metrics_port else None
@@ -45,10 +47,25 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
         await instance.wait()
     finally:
         await instance.stop(server, config.server.shutdown_grace_s, [maintain],
-                            close=[inbox.close, *([metrics_server.close] if metrics_server else [])])
+                            close=[*([doorbell.close] if doorbell else []), inbox.close,
+                                   *([metrics_server.close] if metrics_server else [])])
         tracing.shutdown()
     if instance.failure:  # stopped because the engine cannot step: exit 1, saying why
         raise SystemExit(f"{instance.kind} {instance.instance_id} stopped: {instance.failure}")
+
+
+def _open_doorbell(config: DecodeServiceConfig, tls: TlsConfig, address: str,
+                   inbox: HandoffInbox) -> DoorbellListener | None:
+    """The delivery doorbell on this event loop, unless turned off or serving TLS (its
+    datagrams carry no credentials); a name already taken leaves it off with a warning."""
+    if not config.doorbell or tls.serves_tls:
+        return None
+    try:
+        return DoorbellListener(address, inbox.ring).start()
+    except OSError as e:
+        log.warning("no delivery doorbell for %s (%s): deliveries take the gRPC call only",
+                    address, e)
+        return None
 
 
 async def _maintain(instance: ServiceInstance, interval_s: float) -> None:

@@ -8,7 +8,10 @@ and its pull must end before the deadline or it discards what it read (decode_se
 A delivery is never cut short from this side: when the Prefill call is cancelled or Abort is
 called during it, the blocks are released after it ends, so a pull never reads released blocks.
 
-One channel per decode address, kept open and reused by every delivery.
+One channel per decode address, kept open and reused by every delivery. Before each call the
+decode service's doorbell is rung (common/serving/doorbell.py): on one host its pull starts
+without waiting for the call, whose rules above stay as they are; the ring's deadline is taken
+before the call starts, so it is never later than the call's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import grpc
 
 from common.registry import HandoffDescriptor
 from common.serving import grpc_util
+from common.serving.doorbell import DoorbellSender
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import PrefillMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
@@ -38,6 +42,7 @@ class Deliveries:
         self.metrics = metrics
         self.tls = tls
         self.inflight: dict[str, asyncio.Task] = {}
+        self.doorbell = DoorbellSender()
         self._stubs: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
@@ -60,10 +65,16 @@ class Deliveries:
                        ) -> tuple[bool, str, float]:
         start = time.monotonic()
         try:
+            descriptor_json = desc.to_json()
+            self.doorbell.ring(address, {
+                "request_id": desc.request_id, "first_token_id": first_token_id,
+                "first_token_unix_s": first_token_unix_s,
+                "deadline_unix_s": time.time() + self.lease_s,
+                "descriptor_json": descriptor_json})
             reply = await self._stub(address).Deliver(
                 decode_pb2.DeliverRequest(request_id=desc.request_id,
                                           first_token_id=first_token_id,
-                                          descriptor_json=desc.to_json(),
+                                          descriptor_json=descriptor_json,
                                           first_token_unix_s=first_token_unix_s),
                 timeout=self.lease_s, metadata=metadata)
             accepted, reason = reply.accepted, reply.reason
@@ -97,3 +108,4 @@ class Deliveries:
             await channel.close(grace=1.0)
         self._channels.clear()
         self._stubs.clear()
+        self.doorbell.close()

@@ -365,6 +365,9 @@ class DecodeMetrics(EngineMetrics):
         self.handoff_failures = self.labelled_counter(
             "handoff_failures", "Handoffs that could not be used (the prompt was recomputed)",
             "reason", ("peer_gone", "transfer", "lease_expired"))
+        self.handoffs_rung = self.counter(
+            "handoff_doorbell_rings", "Deliveries whose pull a prefill service on this host "
+            "started through the doorbell, ahead of its Deliver call")
         self.init_goodput("decode")
 
     def observe_handoff(self, transport: str, num_bytes: int, seconds: float) -> None:

@@ -185,3 +185,95 @@ def test_a_decode_call_later_than_the_delivery_wait_recomputes(setup):
     taken = asyncio.run(scenario())
     assert (taken.block_ids, taken.first_token_id) == (None, 3)
     assert "waited" in taken.failure and used(loop) == 0 and not inbox.slots
+
+
+def ring_message(desc, first_token_id: int = 42, deadline_in_s: float = 10.0) -> dict:
+    return {"request_id": desc.request_id, "first_token_id": first_token_id,
+            "first_token_unix_s": time.time(), "deadline_unix_s": time.time() + deadline_in_s,
+            "descriptor_json": desc.to_json()}
+
+
+def test_a_doorbell_starts_the_pull_and_the_deliver_call_answers_with_its_outcome(setup):
+    """The ring pulls into the reserved blocks before any Deliver call; the call that follows
+    pulls nothing more and answers with the ring's outcome."""
+    engine, loop, inbox, source, src = setup
+    desc = describe(source, "rung", [7, 3, 9])
+
+    async def scenario():
+        take = asyncio.create_task(inbox.take("rung", 3, PREFILL))
+        await asyncio.sleep(0.05)
+        inbox.ring(ring_message(desc))
+        inbox.ring(ring_message(desc))  # a second ring is ignored: one pull
+        taken = await asyncio.wait_for(take, 5)  # no Deliver call yet
+        assert inbox.transports_used == {"local": 1}
+        return taken, await inbox.deliver("rung", desc, 42, 10.0)
+
+    taken, answer = asyncio.run(scenario())
+    assert answer == (True, "") and taken.failure == "" and taken.first_token_id == 42
+    assert taken.first_token_unix_s > 0
+    for s, d in zip([7, 3, 9], taken.block_ids, strict=True):
+        assert torch.equal(engine.kv_cache[:, :, d], src[:, :, s])
+    assert inbox.transports_used == {"local": 1} and not inbox.rung and not inbox.slots
+    free(loop, taken.block_ids)
+
+
+@pytest.mark.parametrize("case", ["before the reservation", "past its deadline", "malformed",
+                                  "after the call began"])
+def test_a_ring_the_inbox_cannot_act_on_is_left_to_the_deliver_call(setup, case):
+    _, loop, inbox, source, _ = setup
+    desc = describe(source, "late-ring", [1, 2])
+
+    async def scenario():
+        if case == "before the reservation":
+            inbox.ring(ring_message(desc))
+        take = asyncio.create_task(inbox.take("late-ring", 2, PREFILL))
+        await asyncio.sleep(0.05)
+        deliver = None
+        if case == "past its deadline":
+            inbox.ring(ring_message(desc, deadline_in_s=0.01))
+        elif case == "malformed":
+            inbox.ring({"request_id": "late-ring", "descriptor_json": "{"})
+        elif case == "after the call began":
+            deliver = asyncio.create_task(inbox.deliver("late-ring", desc, 5, 10.0))
+            await asyncio.sleep(0)  # the call has claimed the slot
+            inbox.ring(ring_message(desc))
+        assert not inbox.rung
+        answer = await (deliver or inbox.deliver("late-ring", desc, 5, 10.0))
+        return answer, await take
+
+    answer, taken = asyncio.run(scenario())
+    assert answer == (True, "") and len(taken.block_ids) == 2
+    assert inbox.transports_used == {"local": 1}
+    free(loop, taken.block_ids)
+
+
+def test_a_rung_pull_whose_decode_call_left_frees_the_blocks(setup):
+    """The Decode call is cancelled while a ring's pull runs: the blocks are freed after it,
+    and the Deliver call that comes is refused."""
+    _, loop, inbox, source, _ = setup
+    receiver_pull = inbox.receiver.pull
+    pulling = threading.Event()
+
+    def slow_pull(*args, **kwargs):
+        pulling.set()
+        time.sleep(0.3)
+        return receiver_pull(*args, **kwargs)
+
+    inbox.receiver.pull = slow_pull
+    desc = describe(source, "rung-gone", [4, 5, 6])
+
+    async def scenario():
+        take = asyncio.create_task(inbox.take("rung-gone", 3, PREFILL))
+        await asyncio.sleep(0.05)
+        inbox.ring(ring_message(desc))
+        await asyncio.to_thread(pulling.wait, 5)
+        take.cancel()
+        await asyncio.gather(take, return_exceptions=True)
+        assert used(loop) == 3
+        answer = await inbox.deliver("rung-gone", desc, 9, 10.0)
+        await asyncio.sleep(0.05)
+        return answer
+
+    accepted, reason = asyncio.run(scenario())
+    assert not accepted and "ended during the pull" in reason
+    assert used(loop) == 0 and not inbox.slots and not inbox.rung
