@@ -1,5 +1,10 @@
-"""The "torch" attention backend, the CPU serving path: batched plain-torch attention over the
-paged pool, with the semantics of kernels.torch_ops (the tests compare the two).
+"""The "torch" attention backend, the CPU serving path: batched attention over the paged pool,
+with the semantics of kernels.torch_ops (the tests compare the two).
+
+The step's leading single-token sequences (its decodes) go to kernels.cpu_decode_attention,
+which reads their contexts in place from the pool, where that kernel serves (a CPU, float32 or
+bfloat16 pools, built here); everything else, and those too where it does not serve, is
+attended in plain torch as follows.
 
 A step is attended in a few large calls instead of one per sequence: its sequences are grouped
 (see `_groups`) into padded batches, each one masked scaled_dot_product_attention of
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from common.models.attention import AttentionBackend, AttentionMetadata
-from kernels import torch_ops
+from kernels import cpu_decode_attention, torch_ops
 
 # A batch may do at most this many times the attention work (query x key pairs) of its sequences
 # attended one by one: one call for several sequences is cheaper than a call each.
@@ -94,13 +99,22 @@ def _batch(meta: AttentionMetadata, seqs: list[int], starts: list[int], q_lens: 
     return _Batch(blocks, past_end, bias, q_rows, q_rows[src], src)
 
 
-def _plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[_Batch]:
+class _Plan(NamedTuple):
+    decodes: int           # leading sequences of one token each, for the decode kernel
+    batches: list[_Batch]  # the rest, in padded batches
+
+
+def _plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, kernel: bool) -> _Plan:
     ctx = meta.seq_lens.tolist()
     qsl = meta.query_start_loc.tolist()
     starts = qsl[:-1]
     q_lens = [e - s for s, e in zip(starts, qsl[1:], strict=True)]
-    return [_batch(meta, group, starts, q_lens, ctx, block_size, dtype)
-            for group in _groups(q_lens, ctx)]
+    decodes = 0
+    while kernel and decodes < len(q_lens) and q_lens[decodes] == 1:
+        decodes += 1
+    rest = [0] * decodes + q_lens[decodes:]  # _groups leaves out sequences with no token
+    return _Plan(decodes, [_batch(meta, group, starts, q_lens, ctx, block_size, dtype)
+                           for group in _groups(rest, ctx)])
 
 
 def _gather(cache: torch.Tensor, batch: _Batch, dtype: torch.dtype) -> torch.Tensor:
@@ -118,18 +132,18 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        # The last plan and what it was built for: (metadata, (block_size, dtype), batches).
-        self._planned: tuple[AttentionMetadata, tuple[int, torch.dtype], list[_Batch]] | None = None
+        # The last plan and what it was built for: (metadata, (block_size, dtype, kernel), plan).
+        self._planned: tuple[AttentionMetadata, tuple[int, torch.dtype, bool], _Plan] | None = None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         torch_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def _step_plan(self, meta: AttentionMetadata, block_size: int,
-                   dtype: torch.dtype) -> list[_Batch]:
-        key = (block_size, dtype)
+    def _step_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype,
+                   kernel: bool) -> _Plan:
+        key = (block_size, dtype, kernel)
         if self._planned is None or self._planned[0] is not meta or self._planned[1] != key:
-            self._planned = (meta, key, _plan(meta, block_size, dtype))
+            self._planned = (meta, key, _plan(meta, block_size, dtype, kernel))
         return self._planned[2]
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,7 +151,13 @@ class TorchAttentionBackend(AttentionBackend):
         _, h, d = q.shape
         kvh = k_cache.shape[2]
         out = torch.empty_like(q)
-        for b in self._step_plan(meta, k_cache.shape[1], q.dtype):
+        kernel = cpu_decode_attention.serves(q, k_cache)
+        plan = self._step_plan(meta, k_cache.shape[1], q.dtype, kernel)
+        if plan.decodes:
+            m = plan.decodes
+            cpu_decode_attention.paged_decode_attention(
+                q[:m], k_cache, v_cache, meta.block_tables[:m], meta.seq_lens[:m], scale, out[:m])
+        for b in plan.batches:
             n, width_q = b.bias.shape[0], b.bias.shape[2]
             qb = q.index_select(0, b.q_rows)
             k, v = _gather(k_cache, b, q.dtype), _gather(v_cache, b, q.dtype)

@@ -1,0 +1,196 @@
+// Paged decode attention on the CPU: one query token per sequence attends to its whole context,
+// read in place from the paged pool (no gathered copy), in float32 whatever the pool's dtype.
+// Built and called by kernels/cpu_decode_attention.py, which also holds the torch reference.
+//
+// One task per (sequence, KV head): the query heads that share the KV head are scored against
+// each key as it is read, their scores kept (float32, one row per head), softmaxed, and the values
+// summed with those weights; 16 lanes at a time (head_dim 32, 64, 96, 128 or 256).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 16 float lanes: AVX-512 registers where the CPU has them (GCC's vector extension; it splits
+// them on a narrower CPU).
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vushort __attribute__((vector_size(32)));
+constexpr int64_t LANES = 16;
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vfloat load(const c10::BFloat16* p) {  // bf16 is a float's upper half
+  vushort h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vfloat>(__builtin_convertvector(h, vuint) << 16);
+}
+
+inline float hsum(vfloat v) {
+  float s = 0;
+  for (int l = 0; l < LANES; ++l) s += v[l];
+  return s;
+}
+
+// exp of 16 lanes at once (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; about
+// 1 ulp), for x <= 0 as softmax's (x - max) is; below -87 it is ~1e-38 rather than 0.
+inline vfloat vexp(vfloat x) {
+  const vfloat lo = vfloat{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vfloat n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x < 0 ? -0.5f : 0.5f), vint), vfloat);
+  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint scale = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat>(scale);
+}
+
+template <typename T>
+inline void store(T* dst, vfloat v) {
+  for (int l = 0; l < LANES; ++l) dst[l] = static_cast<T>(v[l]);
+}
+
+// One sequence's query heads h * group .. (h + 1) * group - 1 against KV head h of its context;
+// NV = head_dim / LANES. scores: room for group * round_up(len, LANES) floats.
+template <typename T, int NV>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+            int64_t bs, int64_t slot_stride, int64_t h, int64_t group, float scale, T* out,
+            vfloat* qv, vfloat* acc, float* scores) {
+  constexpr int64_t D = NV * LANES;
+  const int64_t block_stride = bs * slot_stride, width = (len + LANES - 1) / LANES * LANES;
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NV; ++j) qv[g * NV + j] = load(q + (h * group + g) * D + j * LANES) * scale;
+  for (int64_t p = 0; p < len; ++p) {
+    const T* k = k_cache + table[p / bs] * block_stride + (p % bs) * slot_stride + h * D;
+    vfloat kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = load(k + j * LANES);
+    for (int64_t g = 0; g < group; ++g) {
+      vfloat s = qv[g * NV] * kv[0];
+      for (int j = 1; j < NV; ++j) s += qv[g * NV + j] * kv[j];
+      scores[g * width + p] = hsum(s);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * width;
+    const float m = *std::max_element(s, s + len);
+    std::fill(s + len, s + width, m - 1000.0f);  // exp() of these is ~0: zeroed below
+    vfloat sum{};
+    for (int64_t p = 0; p < width; p += LANES) {
+      vfloat e = vexp(load(s + p) - m);
+      if (p + LANES > len)
+        for (int64_t l = len - p; l < LANES; ++l) e[l] = 0;
+      std::memcpy(s + p, &e, sizeof e);
+      sum += e;
+    }
+    const float inv = 1.0f / hsum(sum);
+    for (int64_t p = 0; p < len; ++p) s[p] *= inv;
+  }
+  for (int64_t i = 0; i < group * NV; ++i) acc[i] = vfloat{};
+  for (int64_t p = 0; p < len; ++p) {
+    const T* v = v_cache + table[p / bs] * block_stride + (p % bs) * slot_stride + h * D;
+    vfloat vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load(v + j * LANES);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = scores[g * width + p];
+      for (int j = 0; j < NV; ++j) acc[g * NV + j] += w * vv[j];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NV; ++j) store(out + (h * group + g) * D + j * LANES, acc[g * NV + j]);
+}
+
+template <typename T, int NV>
+void decode(const at::Tensor& q,             // [n, heads, d]
+            const at::Tensor& k_cache,       // [num_blocks, block_size, kv_heads, d]
+            const at::Tensor& v_cache,       // [num_blocks, block_size, kv_heads, d]
+            const at::Tensor& block_tables,  // [n, max_blocks] int32
+            const at::Tensor& seq_lens,      // [n] int32
+            double scale, at::Tensor& out) { // [n, heads, d]
+  const int64_t n = q.size(0), heads = q.size(1);
+  const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), group = heads / kvh;
+  const int64_t slot_stride = kvh * NV * LANES, table_stride = block_tables.stride(0);
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k_cache.const_data_ptr<T>();
+  const T* vp = v_cache.const_data_ptr<T>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t max_len = n ? *std::max_element(lens, lens + n) : 0;
+  at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vfloat> qv(group * NV), acc(group * NV);
+    std::vector<float> scores(group * ((max_len + LANES - 1) / LANES * LANES));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kvh, h = task % kvh;
+      attend<T, NV>(qp + b * q.stride(0), kp, vp, tables + b * table_stride, lens[b], bs,
+                    slot_stride, h, group, static_cast<float>(scale), op + b * out.stride(0),
+                    qv.data(), acc.data(), scores.data());
+    }
+  });
+}
+
+template <typename T>
+void dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+              at::Tensor& out) {
+  switch (q.size(2) / LANES) {
+    case 2: return decode<T, 2>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    case 4: return decode<T, 4>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    case 6: return decode<T, 6>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    case 8: return decode<T, 8>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    case 16: return decode<T, 16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    default: TORCH_CHECK(false, "head_dim must be 32, 64, 96, 128 or 256");
+  }
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "shapes");
+  // q and out may be row slices (q of the qkv projection's output): heads and lanes dense.
+  for (const at::Tensor* t : {&q, static_cast<const at::Tensor*>(&out)})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "dense [heads, d] rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && seq_lens.is_contiguous() &&
+              block_tables.stride(1) == 1 && out.sizes() == q.sizes(), "contiguous tensors");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type()
+              && out.scalar_type() == q.scalar_type(), "one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "int32 block tables and lengths");
+  if (q.scalar_type() == at::kFloat) {
+    dispatch<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    dispatch<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "float32 or bfloat16 only");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", paged_decode_attention);
+}
