@@ -14,6 +14,7 @@ import time
 import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -573,7 +574,12 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         logprobs: dict[str, list] = {rid: [] for rid in ids}
         while self.has_unfinished():
-            for o in self.step():
+            outputs = self.step()
+            if not outputs and self._compiling and not self.num_running and not self._in_flight:
+                # Only requests whose grammars compile are left: wait for one rather than spin
+                # here, which slowed the compile thread (and a cold xgrammar import) twofold.
+                wait([seq.grammar.future for seq in self._compiling], return_when=FIRST_COMPLETED)
+            for o in outputs:
                 if o.logprobs:
                     logprobs[o.request_id].extend(o.logprobs)
                 if o.finished:

@@ -9,9 +9,9 @@
         |              sampled by a prefill service, a migrated request's delivered tokens)
         |  accept(token): the engine feeds each new output; False when the grammar rejects it
         v
-    TokenMasker.apply() in the sampler: each constrained row's allowed tokens filled as a bitmask
-        on the host (xgrammar, microseconds), copied to the device through pinned memory without
-        a sync, applied to every constrained row of the batch in one launch
+    TokenMasker.apply() in the sampler: every constrained row's allowed tokens filled as a
+        bitmask on the host in one xgrammar call, copied to the device through pinned memory
+        without a sync, applied to every constrained row of the batch at once
 
 A grammar that allows no next token (a dead end) gets its stop tokens allowed instead: the row
 samples one, the matcher rejects it, and the engine finishes the request with reason "grammar"
@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from common.engine.core.sampling_params import StructuredOutput
@@ -161,29 +162,26 @@ class GrammarState:
             return True
         return not self.matcher.is_terminated() and self.matcher.accept_token(token_id)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (int32 [n, ceil(vocab / 32)] on the
-        host); a dead end allows the stop tokens instead (see the module docstring)."""
-        assert self.matcher is not None, "fill() before activate()"
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        if not bool(bitmask[row].any()):
-            for t in self.stop_token_ids:
-                word, bit = divmod(t, 32)
-                value = int(bitmask[row, word]) | (1 << bit)
-                bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
-
 
 class TokenMasker:
     """Applies the constrained rows' grammars to a batch's logits (the sampler owns one).
 
-    Host bitmasks are reused: on CUDA two pinned buffers take turns, each reused only after the
-    copy that read it two calls ago has finished (its event; by then that step's tokens have been
-    read, so the wait costs nothing), so the copy runs without a host sync."""
+    Per call: one xgrammar call fills every constrained row's bitmask on the host (a C++ loop,
+    threaded on a box with more than 2 cores), one vectorised check finds dead ends, and one
+    apply masks the rows: on CUDA xgrammar's Triton kernel after one non_blocking copy, on the
+    CPU bitwise torch ops (apply_bitmask_cpu). On CUDA the fill runs on the host while the
+    device still runs the step's forward (launched before the sampler), and the host buffers
+    are pinned and take turns: each is reused only after the copy that read it two calls ago has
+    finished (its event; by then that step's tokens have been read, so the wait costs nothing),
+    so the copy runs without a host sync."""
 
     def __init__(self) -> None:
+        self._batch: xgr.BatchGrammarMatcher | None = None  # made on first use
         self._host: list[torch.Tensor | None] = [None, None]
+        self._device: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self._scratch: torch.Tensor | None = None  # apply_bitmask_cpu's, kept across calls
 
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
         """In place: logits [n, vocab] float32; rows[j] is constrained by states[j]."""
@@ -192,16 +190,42 @@ class TokenMasker:
         turn = self._turn
         self._turn ^= 1 if cuda else 0
         host = self._buffer(turn, n, (vocab + 31) // 32, cuda)
-        for row, state in zip(rows, states, strict=True):
-            state.fill(host, row)
-        mask = host
-        if cuda:
-            mask = host.to(logits.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._copied[turn] = event
+        self.fill(host, rows, states)
+        if not cuda:
+            if len(rows) == n:
+                self._scratch = apply_bitmask_cpu(logits, host, self._scratch)
+            else:
+                index = torch.tensor(rows, dtype=torch.long)
+                sub = logits.index_select(0, index)
+                self._scratch = apply_bitmask_cpu(sub, host.index_select(0, index),
+                                                  self._scratch)
+                logits.index_copy_(0, index, sub)
+            return
+        device = self._device[turn]
+        if device is None or device.shape[0] < host.shape[0] or device.shape[1] != host.shape[1]:
+            device = self._device[turn] = torch.empty_like(self._host[turn], device=logits.device)
+        mask = device[:n]
+        mask.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[turn] = event
         _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows,
-                                        backend="triton" if cuda else "cpu")
+                                           backend="triton")
+
+    def fill(self, bitmask: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+        """Write states[j]'s allowed next tokens into bitmask[rows[j]] (int32 [n, ceil(vocab /
+        32)] on the host) in one call; a dead end allows the stop tokens instead (see the
+        module docstring)."""
+        matchers = [state.matcher for state in states]
+        assert all(m is not None for m in matchers), "fill() before activate()"
+        if self._batch is None:
+            self._batch = _xgr().BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        words = bitmask.numpy()
+        for j in np.flatnonzero(~words[rows].any(axis=1)):
+            row = words[rows[j]].view(np.uint32)
+            for t in states[j].stop_token_ids:
+                row[t // 32] |= np.uint32(1 << (t % 32))
 
     def _buffer(self, turn: int, n: int, words: int, pinned: bool) -> torch.Tensor:
         event = self._copied[turn]
@@ -213,3 +237,35 @@ class TokenMasker:
             host = torch.empty(rows, words, dtype=torch.int32, pin_memory=pinned)
             self._host[turn] = host
         return host[:n]
+
+
+_NEG_INF_BITS = -8388608  # float32 -inf (0xff800000) as an int32
+_BIT_SHIFTS = torch.arange(31, -1, -1, dtype=torch.int32)  # moves bit j to the sign bit
+
+
+def apply_bitmask_cpu(logits: torch.Tensor,  # [k, vocab] float32, contiguous
+                      bitmask: torch.Tensor,  # [k, ceil(vocab / 32)] int32: bit t % 32 of
+                      #                         word t // 32 set where token t is allowed
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: logits[i, t] = -inf where bitmask[i] forbids t; returns the int32 scratch it
+    used (pass it back next time: a fresh one page-faults 4 bytes per logit in).
+
+    Bitwise ops on the floats' bits, each a vectorised pass: m = (word << (31 - bit)) >> 31 is
+    -1 where allowed and 0 where not, and x = NEG ^ ((x ^ NEG) & m) keeps x or makes it -inf.
+    xgrammar's CPU kernel tests element by element: 4.8 ms for 32 JSON-schema rows of SmolLM2's
+    49,152 tokens on the 2-core box (one thread), this ~1 ms."""
+    k, vocab = logits.shape
+    words = bitmask.shape[1]
+    if logits.dtype != torch.float32 or not logits.is_contiguous() or words * 32 < vocab or (
+            bitmask.dtype != torch.int32 or bitmask.shape[0] != k):
+        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype} (contiguous float32) and "
+                         f"bitmask {tuple(bitmask.shape)} {bitmask.dtype} do not match")
+    if scratch is None or scratch.numel() < k * words * 32:
+        scratch = torch.empty(k * words * 32, dtype=torch.int32)
+    allowed = scratch[:k * words * 32].view(k, words, 32)
+    torch.bitwise_left_shift(bitmask.unsqueeze(-1), _BIT_SHIFTS, out=allowed)
+    allowed.bitwise_right_shift_(31)
+    bits = logits.view(torch.int32)
+    bits.bitwise_xor_(_NEG_INF_BITS).bitwise_and_(allowed.view(k, words * 32)[:, :vocab])
+    bits.bitwise_xor_(_NEG_INF_BITS)
+    return scratch
