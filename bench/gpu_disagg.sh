@@ -57,7 +57,7 @@ run_case() {  # name, prefill device, decode device
     rc=$?
     tail -9 "/tmp/disagg_$1.log"
     for role in prefill decode; do
-        grep -h "handoff .*ms" "$(ls -d /tmp/stack-latency-* | head -1)/$role.log" | tail -3 \
+        grep -h "handoff .*ms" "$(ls -d /tmp/stack-latency-* | head -1)/$role.log" | tail -8 \
             | sed 's/.*DEBUG //'
     done
     if [ $rc -ne 0 ]; then

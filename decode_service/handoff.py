@@ -40,7 +40,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
@@ -77,6 +78,10 @@ class Taken:
     handoff_ms: float
     failure: str = ""
     first_token_unix_s: float = 0.0  # when the prefill sampled the first token (0: unknown)
+    # take()'s admit callback ran: the engine owns block_ids (its future: the submission), and
+    # when (time.time()): the end of the handoff's critical path.
+    admitted: Future | None = None
+    admitted_unix_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -88,6 +93,7 @@ class _Slot:
     blocks: list[int] = field(default_factory=list)  # reserved, not yet handed to anyone
     pulling: bool = False             # the pull thread writes into blocks
     claimed: bool = False             # a delivery (call or doorbell) has begun on this slot
+    admit: Callable[[Taken], Future] | None = None  # take()'s, called when the KV is verified
     ended: bool = False               # the Decode call left: nobody takes the blocks
 
 
@@ -129,14 +135,21 @@ class HandoffInbox:
         return slot
 
     # ---- the Decode call's side ---------------------------------------------------------------
-    async def take(self, request_id: str, num_blocks: int, prefill_instance_id: str) -> Taken:
+    async def take(self, request_id: str, num_blocks: int, prefill_instance_id: str,
+                   admit: Callable[[Taken], Future] | None = None) -> Taken:
         """Reserve num_blocks, wait for the delivery, and return what it brought (the caller
         owns Taken.block_ids). Raises PeerGoneError when the prefill instance leaves the registry
-        first; cancelling frees the reservation."""
+        first; cancelling frees the reservation.
+
+        admit: called the moment a delivered KV is verified, on the event loop's thread, with
+        the Taken (the caller's engine submission: it then owns the blocks, and Taken.admitted
+        is its future), so the request reaches the engine without waiting for this coroutine
+        to be resumed; not called for a KV that cannot be used."""
         start = time.monotonic()
         slot = self._slot(request_id)
         if slot.reserved.done():
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        slot.admit = admit
         if slot.delivered.done():  # the delivery came first and gave up waiting: recompute
             self.slots.pop(request_id, None)
             return slot.delivered.result()
@@ -193,9 +206,10 @@ class HandoffInbox:
             del self.slots[slot.request_id]
         if slot.pulling:
             return
-        # Reserved and not pulled into, and (disjoint) delivered and not yet taken.
+        # Reserved and not pulled into, and (disjoint) delivered and not yet taken (unless
+        # admitted: then the engine owns them, and the caller's abort frees them).
         blocks, slot.blocks = slot.blocks, []
-        if slot.delivered.done():
+        if slot.delivered.done() and slot.delivered.result().admitted is None:
             blocks += slot.delivered.result().block_ids or []
         if blocks:
             self._free(blocks)
@@ -222,6 +236,9 @@ class HandoffInbox:
             return
         if remaining <= DEADLINE_MARGIN_S or desc.request_id != rid:
             return
+        if first_token_unix_s and log.isEnabledFor(logging.DEBUG):
+            log.debug("handoff %s: doorbell heard %.2f ms after the first token", rid,
+                      1e3 * (time.time() - first_token_unix_s))
         slot.claimed = True
         task = asyncio.get_running_loop().create_task(self._deliver(
             rid, desc, first_token_id, remaining, tracing.NO_SPAN, first_token_unix_s))
@@ -301,8 +318,12 @@ class HandoffInbox:
             log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
             slot.delivered.set_result(Taken(None, first_token_id, 0.0, handoff_ms, reason))
             return False, reason
-        slot.delivered.set_result(Taken(blocks, first_token_id, 0.0, handoff_ms,
-                                        first_token_unix_s=first_token_unix_s))
+        taken = Taken(blocks, first_token_id, 0.0, handoff_ms,
+                      first_token_unix_s=first_token_unix_s)
+        if slot.admit is not None:
+            taken.admitted_unix_s = time.time()
+            taken.admitted = slot.admit(taken)
+        slot.delivered.set_result(taken)
         return True, ""
 
     def _pull(self, desc: HandoffDescriptor, blocks: list[int], after: torch.cuda.Event | None,

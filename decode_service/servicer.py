@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import Prefilled
 from common.errors import InvalidRequestError
 from common.registry import HandoffDescriptor
@@ -29,7 +30,7 @@ from common.serving.proto_convert import (
     params_from_pb,
     prompt_logprobs_to_pb,
 )
-from decode_service.handoff import HandoffInbox
+from decode_service.handoff import HandoffInbox, Taken
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("splitserve.decode")
@@ -60,19 +61,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finished = False
         joined = None
         try:
-            prefilled, reserve_ms, handoff_ms, first_token_unix_s = await self._take_over(
-                request, prompt)
-            # The critical path ends here: the KV is in place and verified, the request goes
-            # to the engine's command queue and joins its next step.
-            critical_ms = (1e3 * (time.time() - first_token_unix_s) if first_token_unix_s
-                           else 0.0)
+            outputs = list(request.output_token_ids)
+            taken = await self._take_over(request, prompt, params, stream, outputs)
+            prefilled = (None if taken is None
+                         else Prefilled(taken.block_ids, taken.first_token_id))
+            reserve_ms, handoff_ms = (0.0, 0.0) if taken is None else (taken.reserve_ms,
+                                                                       taken.handoff_ms)
+            # The critical path ends when the request, its KV in place and verified, is in
+            # the engine's command queue (it joins the next step): the inbox submitted it the
+            # moment the KV was verified (admitted), or this coroutine does now.
+            critical_ms = 0.0
+            if taken is not None and taken.first_token_unix_s:
+                critical_ms = 1e3 * ((taken.admitted_unix_s or time.time())
+                                     - taken.first_token_unix_s)
+            if critical_ms:
+                log.debug("handoff %s: critical path %.2f ms (first token -> queued here)", rid,
+                          critical_ms)
             if prefilled is not None:
                 reserved = start + reserve_ms / 1e3
                 tracing.record("decode.reserve", span, start, reserved)
                 tracing.record("decode.wait_kv", span, reserved, time.monotonic(),
                                {"splitserve.recomputed": prefilled.block_ids is None})
-            await asyncio.wrap_future(loop.submit(rid, prompt, params, stream, prefilled,
-                                                  list(request.output_token_ids)))
+            await asyncio.wrap_future(
+                taken.admitted if taken is not None and taken.admitted is not None
+                else loop.submit(rid, prompt, params, stream, prefilled, outputs))
             # n > 1: each choice's messages carry its index; a choice's last message its
             # finish_reason; the stream ends after every choice's (out.last).
             joined = time.monotonic()
@@ -110,24 +122,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 loop.abort(rid)
 
     async def _take_over(self, request: decode_pb2.DecodeRequest, prompt: list[int],
-                         ) -> tuple[Prefilled | None, float, float, float]:
-        """(what the engine gets, reserve ms, handoff ms, the first token's time.time() or 0):
-        blocks reserved now, filled when the prefill service delivers; None for a local
-        prefill."""
+                         params: SamplingParams, stream: AsyncOutputStream,
+                         outputs: list[int]) -> Taken | None:
+        """Blocks reserved now, filled when the prefill service delivers: what the delivery
+        brought, the request already submitted to the engine if the KV was verified
+        (Taken.admitted); None for a local prefill."""
         if request.WhichOneof("source") != "handoff":
-            return None, 0.0, 0.0, 0.0
+            return None
         engine = self.instance.loop.engine
         # Refused before reserving, so the delivery is not waited for in vain (the settings it
         # reads do not change after start-up).
         engine.validate(prompt, params_from_pb(request.params))
         block_size = engine.config.cache.block_size
         num_blocks = -(-(len(prompt) + len(request.output_token_ids)) // block_size)
-        taken = await self.inbox.take(request.request_id, num_blocks,
-                                      request.handoff.prefill_instance_id)
-        # A failed delivery leaves block_ids None: the prompt is recomputed here, and the first
-        # token stays an output (stop strings, penalties and seeds see what they would have).
-        return (Prefilled(taken.block_ids, taken.first_token_id), taken.reserve_ms,
-                taken.handoff_ms, taken.first_token_unix_s)
+        rid = request.request_id
+        loop = self.instance.loop
+        # A failed delivery leaves block_ids None and is not admitted: the prompt is recomputed
+        # here, and the first token stays an output (stop strings, penalties and seeds see what
+        # they would have).
+        return await self.inbox.take(
+            rid, num_blocks, request.handoff.prefill_instance_id,
+            admit=lambda taken: loop.submit(rid, prompt, params, stream,
+                                            Prefilled(taken.block_ids, taken.first_token_id),
+                                            outputs))
 
     async def Deliver(self, request: decode_pb2.DeliverRequest,
                       context: grpc.aio.ServicerContext) -> decode_pb2.DeliverResponse:

@@ -63,3 +63,58 @@ def block_sums(pool: torch.Tensor,   # [layers, 2, num_blocks, block_size, kv_he
         words, block_ids, sums, words.stride(0), words.stride(1),
         INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, num_warps=4)
     return sums
+
+
+@triton.jit
+def _copy_block_sums_kernel(
+    src_ptr,               # [OUTER, num_blocks_src, INNER] int32
+    dst_ptr,               # [OUTER, num_blocks_dst, INNER] int32
+    ids_ptr,               # [2, n] int64: source ids, then destination ids
+    sums_ptr,              # [n, 2] int64, zero at launch
+    n, src_outer, src_block, dst_outer, dst_block,
+    INNER: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = pid // CHUNKS
+    offs = (pid % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
+    outer = tl.program_id(1).to(tl.int64)
+    s = tl.load(ids_ptr + j)
+    d = tl.load(ids_ptr + n + j)
+    mask = offs < INNER
+    w = tl.load(src_ptr + outer * src_outer + s * src_block + offs, mask=mask, other=0)
+    tl.store(dst_ptr + outer * dst_outer + d * dst_block + offs, w, mask=mask)
+    w = w.to(tl.int64)
+    tl.atomic_add(sums_ptr + 2 * j, tl.sum(w, axis=0))
+    tl.atomic_add(sums_ptr + 2 * j + 1, tl.sum(w * w, axis=0))
+
+
+def copy_block_sums(src: torch.Tensor,  # [layers, 2, num_blocks_src, block_size, kv_heads, head_dim]
+                    dst: torch.Tensor,  # the same but num_blocks_dst; same dtype and device
+                    ids: torch.Tensor,  # [2, n] int64 on the device: source ids, destination ids
+                    ) -> torch.Tensor:  # [n, 2] int64: (s_j, q_j) of each copied block
+    """Copy blocks src[:, :, ids[0, j]] -> dst[:, :, ids[1, j]] and return the sums block_sums
+    would give of what was copied, in one pass: each word is read once, written once and summed
+    from the register it was read into (a handoff's copy and its verification in one kernel).
+    Both pools contiguous; ids in range and destination ids distinct (not checked here)."""
+    check_tensor("src", src, dim=6)
+    check_tensor("dst", dst, dim=6, dtypes=(src.dtype,), device=src.device)
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("copy_block_sums needs contiguous pools")
+    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
+        raise ValueError(f"pools {tuple(src.shape)} and {tuple(dst.shape)} differ outside the "
+                         "block dimension")
+    if (src.shape[-1] * src.element_size()) % 4:
+        raise ValueError(f"head_dim * itemsize must be a multiple of 4 bytes, pool {src.shape}")
+    check_tensor("ids", ids, dim=2, dtypes=(torch.int64,), device=src.device)
+    layers, kv = src.shape[:2]
+    s3 = src.view(torch.int32).view(layers * kv, src.shape[2], -1)
+    d3 = dst.view(torch.int32).view(layers * kv, dst.shape[2], -1)
+    inner, n = s3.shape[2], ids.shape[1]
+    sums = torch.zeros(n, 2, dtype=torch.int64, device=src.device)
+    if n == 0:
+        return sums
+    chunks = cdiv(inner, CHUNK)
+    _copy_block_sums_kernel[(n * chunks, layers * kv)](
+        s3, d3, ids, sums, n, s3.stride(0), s3.stride(1), d3.stride(0), d3.stride(1),
+        INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, num_warps=4)
+    return sums

@@ -46,35 +46,49 @@ class Deliveries:
         self._stubs: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
+    def ring(self, desc: HandoffDescriptor, first_token_id: int, address: str,
+             first_token_unix_s: float) -> bool:
+        """Any thread: ring the doorbell of the decode service at address for this delivery
+        (its deadline: the lease from now, so before the Deliver call's, which starts later).
+        False when no doorbell heard it."""
+        rang = self.doorbell.ring(address, {
+            "request_id": desc.request_id, "first_token_id": first_token_id,
+            "first_token_unix_s": first_token_unix_s,
+            "deadline_unix_s": time.time() + self.lease_s,
+            "descriptor_json": desc.to_json()})
+        if first_token_unix_s and log.isEnabledFor(logging.DEBUG):
+            log.debug("handoff %s: %s %.2f ms after the first token", desc.request_id,
+                      "doorbell rung" if rang else "no doorbell",
+                      1e3 * (time.time() - first_token_unix_s))
+        return rang
+
     async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
                       metadata: tuple[tuple[str, str], ...] = (),
-                      first_token_unix_s: float = 0.0) -> tuple[bool, str, float]:
+                      first_token_unix_s: float = 0.0, rung: bool = False,
+                      ) -> tuple[bool, str, float]:
         """Deliver held blocks and release them: (accepted, reason, ms). Cancelling the caller
         leaves the delivery running; it releases the blocks when it ends. metadata: sent with
         the call (the trace context). first_token_unix_s: when the first token was sampled
-        (time.time()), for the decode side's measure of the critical path."""
+        (time.time()), for the decode side's measure of the critical path. rung: the doorbell
+        was tried already (ring())."""
         rid = desc.request_id
         task = asyncio.get_running_loop().create_task(self._deliver(
-            desc, first_token_id, address, metadata, first_token_unix_s))
+            desc, first_token_id, address, metadata, first_token_unix_s, rung))
         self.inflight[rid] = task
         task.add_done_callback(lambda _: self.inflight.pop(rid, None))
         return await asyncio.shield(task)
 
     async def _deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
                        metadata: tuple[tuple[str, str], ...], first_token_unix_s: float,
-                       ) -> tuple[bool, str, float]:
+                       rung: bool) -> tuple[bool, str, float]:
         start = time.monotonic()
         try:
-            descriptor_json = desc.to_json()
-            self.doorbell.ring(address, {
-                "request_id": desc.request_id, "first_token_id": first_token_id,
-                "first_token_unix_s": first_token_unix_s,
-                "deadline_unix_s": time.time() + self.lease_s,
-                "descriptor_json": descriptor_json})
+            if not rung:
+                self.ring(desc, first_token_id, address, first_token_unix_s)
             reply = await self._stub(address).Deliver(
                 decode_pb2.DeliverRequest(request_id=desc.request_id,
                                           first_token_id=first_token_id,
-                                          descriptor_json=descriptor_json,
+                                          descriptor_json=desc.to_json(),
                                           first_token_unix_s=first_token_unix_s),
                 timeout=self.lease_s, metadata=metadata)
             accepted, reason = reply.accepted, reply.reason

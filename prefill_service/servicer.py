@@ -19,6 +19,7 @@ import grpc
 from common.errors import InvalidRequestError
 from common.kv_transport.blocks import handoff_bytes
 from common.kv_transport.source import KVSource
+from common.registry import HandoffDescriptor
 from common.serving import tracing
 from common.serving.engine_loop import AsyncOutputStream
 from common.serving.instance import ServiceInstance
@@ -63,6 +64,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         first_only = dataclasses.replace(params, max_tokens=len(carried) + 1, n=1)
         loop = self.instance.loop
         stream = AsyncOutputStream()
+        rung: dict[str, tuple[HandoffDescriptor, bool]] = {}  # filled by the sink, see _ringing
+        sink = (self._ringing(rid, params, carried, len(prompt), request.decode_address, stream,
+                              rung) if self.source.pool.is_cuda and self.source.shards is None
+                else stream)
         delivering = False  # True once the hand-off task owns releasing the blocks
         answered = False  # the caller has the last message (a cancel after it is no failure)
         span = tracing.start("prefill", tracing.context_from(context.invocation_metadata()),
@@ -71,7 +76,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                                          "splitserve.prompt_tokens": len(prompt)})
         self.instance.num_inflight += 1
         try:
-            await asyncio.wrap_future(loop.submit(rid, prompt, first_only, stream,
+            await asyncio.wrap_future(loop.submit(rid, prompt, first_only, sink,
                                                   output_token_ids=carried, hold_kv=True))
             prompt_logprobs = None
             async for out in stream:
@@ -93,7 +98,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 first_token_unix_s = time.time() - (time.monotonic() - m.first_token_time)
                 handoff = self._spawn(self._hand_off(
                     rid, final.held_block_ids, len(prompt) + len(carried), final.block_hashes,
-                    first_token, first_token_unix_s, request.decode_address, span))
+                    first_token, first_token_unix_s, request.decode_address, span,
+                    rung.get(rid)))
                 self.handing_off.add(rid)
                 handoff.add_done_callback(lambda _: self.handing_off.discard(rid))
                 delivering = True
@@ -142,11 +148,43 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     ) -> prefill_pb2.PrefillServiceStatsResponse:
         return prefill_pb2.PrefillServiceStatsResponse(stats=await self.instance.stats())
 
+    def _ringing(self, rid: str, params, carried: list[int], num_prompt_tokens: int,
+                 decode_address: str, stream: AsyncOutputStream,
+                 rung: dict[str, tuple[HandoffDescriptor, bool]]):
+        """The engine's sink for a prompt on a GPU: its final output, when the KV will be
+        handed off, is described (the checksum came back with the step) and the decode
+        service's doorbell rung right there on the engine thread (~0.1 ms), before the event
+        loop even hears of the first token; `rung` passes the descriptor on to _hand_off.
+        Anything failing here leaves the delivery to _hand_off as on a CPU."""
+        def sink(out) -> None:
+            try:
+                if (not isinstance(out, BaseException) and out.finished
+                        and out.held_block_ids is not None
+                        and len(out.output_token_ids) > len(carried)
+                        and (params.n > 1 or not (out.finish_reason == "stop"
+                                                  or params.max_tokens == len(carried) + 1))):
+                    blocks = out.held_block_ids
+                    checksum = self.instance.loop.engine.kv.checksum_of(rid, blocks)
+                    desc = self.source.describe(rid, blocks, num_prompt_tokens + len(carried),
+                                                out.block_hashes, checksum)
+                    first_unix = time.time() - (time.monotonic() - out.metrics.first_token_time)
+                    rang = self.deliveries.ring(desc, out.output_token_ids[len(carried)],
+                                                decode_address, first_unix)
+                    rung[rid] = (desc, rang)
+            except Exception:  # never into the engine loop: _hand_off describes instead
+                log.exception("request %s: describing its KV on the engine thread failed", rid)
+            stream(out)
+
+        return sink
+
     async def _hand_off(self, rid: str, block_ids: list[int], num_tokens: int,
                         block_hashes: list[int], first_token: int, first_token_unix_s: float,
-                        decode_address: str, parent: tracing.Span) -> tuple[bool, float]:
+                        decode_address: str, parent: tracing.Span,
+                        rung: tuple[HandoffDescriptor, bool] | None = None,
+                        ) -> tuple[bool, float]:
         """Checksum the held blocks and deliver them; (accepted, ms). Releases the blocks at its
-        end whatever happens (Deliveries does once the call is made)."""
+        end whatever happens (Deliveries does once the call is made). rung: the descriptor the
+        engine's sink made, and whether it rang the doorbell (see _ringing)."""
         start = time.monotonic()
         span = tracing.start("handoff.deliver", parent)
         args = (rid, block_ids, num_tokens, block_hashes)
@@ -154,9 +192,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             # On a GPU the engine queued the checksum behind the prompt's last step
             # (KVConnector.queue_checksum): here it is only read.
             checksum = (self.instance.loop.engine.kv.checksum_of(rid, block_ids)
-                        if self.source.pool.is_cuda else None)
-            desc = (self.source.describe(*args, checksum) if self.source.pool.is_cuda
-                    else await asyncio.to_thread(self.source.describe, *args))
+                        if self.source.pool.is_cuda and rung is None else None)
+            if rung is not None:
+                desc = rung[0]
+            elif self.source.pool.is_cuda:
+                desc = self.source.describe(*args, checksum)
+            else:
+                desc = await asyncio.to_thread(self.source.describe, *args)
         except BaseException as e:
             self.instance.loop.abort(rid)
             tracing.failed(span, repr(e))
@@ -168,7 +210,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                                  "splitserve.bytes": handoff_bytes(desc, self.source.pool)})
         accepted, reason, _ = await self.deliveries.deliver(desc, first_token, decode_address,
                                                             tracing.metadata_for(span),
-                                                            first_token_unix_s)
+                                                            first_token_unix_s,
+                                                            rung=rung is not None)
         done = time.monotonic()
         span.set_attributes({"splitserve.checksum_ms": ms(described - start),
                              "splitserve.accepted": accepted})

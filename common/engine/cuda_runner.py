@@ -172,6 +172,8 @@ class CudaGraphRunner(ModelRunner):
             kind, logits = "prefill_graph", self._replay_prefill(step, prefill_bucket)
         else:
             kind, logits = "eager", self._eager(step)
+        if self.after_forward is not None:
+            self.after_forward(items)
         if logits is None:
             return PendingStep([], kind=kind)
         seqs = [s.seq for s in items if s.samples]

@@ -22,7 +22,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.block_manager import BlockManager
 from common.engine.core.sampling_params import SamplingParams
-from common.engine.core.scheduler import Scheduler, SchedulerOutput
+from common.engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from common.engine.core.sequence import FinishReason, Sequence
 from common.engine.cuda_runner import make_runner
 from common.engine.kv_connector import KVConnector
@@ -176,6 +176,8 @@ class LLMEngine:
         # Blocks outside any running sequence: held for a handoff, or reserved for one.
         self.kv = KVConnector(self.block_manager, self.runner, self._cuda_index,
                               self.step_in_flight_may_write_free_blocks, self._use_device)
+        if self._cuda_index is not None:
+            self.runner.after_forward = self._queue_handoff_checksums
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._choices: dict[str, list[str]] = {}  # n > 1: a request's id -> its forks' ids
@@ -423,11 +425,14 @@ class LLMEngine:
                 self.speculator.forget(seq.request_id)
         if out.is_empty:
             return None
-        pending = self.runner.launch(out, draft_probs)
-        for s in out.scheduled:  # a held prompt's KV is complete: its checksum behind the step
+        return out, self.runner.launch(out, draft_probs)
+
+    def _queue_handoff_checksums(self, items: list[ScheduledSeq]) -> None:
+        """The runner's after_forward on a GPU: a held prompt whose KV this step completes gets
+        its handoff checksum queued behind the forward, read back with the step's tokens."""
+        for s in items:
             if s.samples and s.seq.hold_kv:
                 self.kv.queue_checksum(s.seq.request_id, s.seq.block_table)
-        return out, pending
 
     def _finish_step(self, out: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         result = pending.result()

@@ -70,12 +70,13 @@ class KVConnector:
             self.release(request_id)
 
     def queue_checksum(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """On a GPU, after launching the step that computes a held prompt's last KV: queue the
-        handoff checksum's per-block sums of its blocks on the engine's stream, behind that
-        step, and their copy to the host. They come back with the step (its token is read
-        first: the sums do not delay it), so the delivery needs no GPU work of its own; run
-        after the step, in the prefill process, that work waited up to ~2 ms for the GPU while
-        another process (the decode service) held it. No-op on a CPU."""
+        """On a GPU, within the step that computes a held prompt's last KV, after its forward
+        and before its sampling (the runner's after_forward): queue the handoff checksum's
+        per-block sums of the blocks on the engine's stream, and their copy to the host. They
+        are done when the step's token is read (a kernel of ~20 us more in that step), so the
+        delivery needs no GPU work of its own: run after the step, in the prefill process, that
+        work waited up to ~2 ms for the GPU while another process (the decode service) held
+        it. No-op on a CPU."""
         if self._cuda_index is None or not self.pool.is_contiguous():
             return
         from kernels.block_sums import block_sums  # CPU-only processes never load Triton

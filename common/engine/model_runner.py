@@ -172,6 +172,10 @@ class ModelRunner:
         self.ranks: RankWorkers | None = None  # the other tensor-parallel ranks (LLMEngine sets)
         self.steps: dict[str, int] = {"eager": 0}  # launches by PendingStep.kind
         self.step_listeners: list[Callable[[StepTiming], None]] = []
+        # Called with a step's scheduled items once its forward is queued and before its
+        # sampling: device work queued here is done when the step's tokens are read (the
+        # engine queues the handoff checksums of held prompts: KVConnector.queue_checksum).
+        self.after_forward: Callable[[list[ScheduledSeq]], None] | None = None
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
                  self.num_kv_heads, model_config.head_dim)
         self.kv_cache = (kv_cache_allocator or default_kv_allocator)(shape, self.kv_dtype, device)
@@ -245,6 +249,8 @@ class ModelRunner:
         if self.ranks is not None:  # they run the same forward (common.engine.parallel)
             self.ranks.lead_step(step, input_ids, bool(sampling))
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        if self.after_forward is not None:
+            self.after_forward(items)
         prompt_lps = self.prompt_logprobs(items, step, hidden)
         if not sampling:
             return PendingStep([], prompt_logprobs=prompt_lps)

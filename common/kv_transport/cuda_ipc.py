@@ -22,9 +22,17 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from common.engine.uploads import to_device
 from common.errors import TransferError
 from common.kv_transport.base import KVTransport, check_source
-from common.kv_transport.blocks import check_pool, copy_blocks, dtype_from_name, dtype_name
+from common.kv_transport.blocks import (
+    BLOCK_AXIS,
+    check_pool,
+    copy_blocks,
+    dtype_from_name,
+    dtype_name,
+)
+from common.kv_transport.checksum import combine
 from common.registry.records import HandoffDescriptor
 
 
@@ -97,12 +105,25 @@ class CudaIpcTransport(KVTransport):
         return pool
 
     def _pull(self, desc: HandoffDescriptor, info: dict[str, Any], dst_pool: torch.Tensor,
-              dst_block_ids: list[int], timeout_s: float) -> None:
+              dst_block_ids: list[int], timeout_s: float) -> int | None:
+        """On one GPU: the copy and the checksum of the words it copies in one kernel
+        (kernels.block_sums.copy_block_sums), one upload of the ids and one read of the sums;
+        across GPUs, or pools that are not contiguous: the copy, then pull()'s checksum."""
         if not dst_pool.is_cuda:
             raise TransferError("cuda_ipc needs a CUDA destination pool")
         src = self._source(info)
         check_source(desc, src)
-        copy_blocks(src, desc.block_ids, dst_pool, dst_block_ids)
+        if (src.device != dst_pool.device or not src.is_contiguous()
+                or not dst_pool.is_contiguous() or src.dtype != dst_pool.dtype):
+            copy_blocks(src, desc.block_ids, dst_pool, dst_block_ids)
+            return None
+        if any(not 0 <= b < dst_pool.shape[BLOCK_AXIS] for b in dst_block_ids):
+            raise TransferError(f"destination block ids outside [0, {dst_pool.shape[BLOCK_AXIS]})")
+        from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
+        ids = to_device([list(desc.block_ids), list(dst_block_ids)], torch.int64, src.device)
+        with torch.cuda.device(src.device):  # Triton launches on the current device
+            sums = copy_block_sums(src, dst_pool, ids)
+        return combine(sums.tolist())
 
     def forget(self, handle: str) -> None:
         """Drop the cached pool of a source that went away."""

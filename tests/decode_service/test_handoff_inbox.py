@@ -277,3 +277,47 @@ def test_a_rung_pull_whose_decode_call_left_frees_the_blocks(setup):
     accepted, reason = asyncio.run(scenario())
     assert not accepted and "ended during the pull" in reason
     assert used(loop) == 0 and not inbox.slots and not inbox.rung
+
+
+def test_a_verified_kv_is_admitted_at_once_and_its_blocks_are_the_admitters(setup):
+    """take()'s admit runs when the KV is verified, before take() returns; from then on the
+    blocks are the admitter's: a Decode call cancelled after it does not free them."""
+    _, loop, inbox, source, _ = setup
+    from concurrent.futures import Future
+    admitted: list = []
+
+    def admit(taken):
+        admitted.append(taken)
+        future = Future()
+        future.set_result(None)
+        return future
+
+    async def scenario():
+        take = asyncio.create_task(inbox.take("admit", 3, PREFILL, admit=admit))
+        await asyncio.sleep(0.05)
+        answer = await inbox.deliver("admit", describe(source, "admit", [1, 2, 3]), 4, 10.0)
+        assert len(admitted) == 1 and not take.done()  # admitted before the call resumed
+        take.cancel()  # the call leaves right after: the blocks stay with the admitter
+        await asyncio.gather(take, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        return answer
+
+    assert asyncio.run(scenario()) == (True, "")
+    (taken,) = admitted
+    assert taken.admitted is not None and taken.admitted_unix_s > 0
+    assert used(loop) == 3 and not inbox.slots
+    free(loop, taken.block_ids)
+
+
+def test_an_unusable_kv_is_not_admitted(setup):
+    _, loop, inbox, source, _ = setup
+    admitted: list = []
+
+    async def scenario():
+        take = asyncio.create_task(inbox.take("bad", 2, PREFILL, admit=admitted.append))
+        answer = await inbox.deliver("bad", describe(source, "bad", [1, 2], checksum=5), 4, 10.0)
+        return answer, await take
+
+    (accepted, _), taken = asyncio.run(scenario())
+    assert not accepted and taken.block_ids is None and taken.admitted is None and not admitted
+    assert used(loop) == 0

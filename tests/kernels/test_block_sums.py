@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.kv_transport.checksum import block_sums_torch, kv_checksum
-from kernels.block_sums import block_sums
+from kernels.block_sums import block_sums, copy_block_sums
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -25,6 +25,27 @@ def test_block_sums_equal_torch(device: str, dtype: torch.dtype):
     got = block_sums(pool, ids)
     assert torch.equal(got.cpu(), block_sums_torch(pool.cpu(), ids.cpu()))
     assert block_sums(pool, ids[:0]).shape == (0, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_copy_block_sums_copies_and_sums_what_it_copied(device: str, dtype: torch.dtype):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("CUDA present: Triton compiles for it, the interpreter is off")
+    torch.manual_seed(1)
+    src = (torch.randn(3, 2, 9, 4, 2, 16) * 1e3).to(dtype).to(device)
+    dst = torch.zeros(3, 2, 12, 4, 2, 16, dtype=dtype, device=device)
+    src_ids, dst_ids = [5, 0, 8, 2], [11, 3, 4, 0]
+    ids = torch.tensor([src_ids, dst_ids], dtype=torch.int64, device=device)
+    got = copy_block_sums(src, dst, ids)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(dst[:, :, d].view(torch.uint8), src[:, :, s].view(torch.uint8))
+    untouched = [b for b in range(12) if b not in dst_ids]
+    assert not dst[:, :, untouched].view(torch.uint8).any()
+    assert torch.equal(got.cpu(), block_sums_torch(src.cpu(), ids[0].cpu()))
+    assert torch.equal(got.cpu(), block_sums_torch(dst.cpu(), ids[1].cpu()))
 
 
 def test_block_sums_refuses_odd_pools():
