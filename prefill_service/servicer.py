@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.engine.core.sampling_params import SamplingParams
 from common.errors import InvalidRequestError
 from common.kv_transport.blocks import handoff_bytes
 from common.kv_transport.source import KVSource
@@ -84,9 +85,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 prompt_logprobs = out.prompt_logprobs or prompt_logprobs
             if len(final.output_token_ids) == len(carried):
                 raise InvalidRequestError("the request's delivered tokens already end it")
-            ends = final.finish_reason == "stop" or params.max_tokens == len(carried) + 1
-            if params.n > 1:  # the first token ends choice 0 only: the others need the KV
-                ends = False
+            ends = _ends(final, params, carried)
             m = final.metrics
             self.metrics.observe_prefilled(m)
             tracing.record("prefill.queue", span, m.arrival_time, m.first_scheduled_time)
@@ -148,7 +147,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     ) -> prefill_pb2.PrefillServiceStatsResponse:
         return prefill_pb2.PrefillServiceStatsResponse(stats=await self.instance.stats())
 
-    def _ringing(self, rid: str, params, carried: list[int], num_prompt_tokens: int,
+    def _ringing(self, rid: str, params: SamplingParams, carried: list[int], num_prompt_tokens: int,
                  decode_address: str, stream: AsyncOutputStream,
                  rung: dict[str, tuple[HandoffDescriptor, bool]]):
         """The engine's sink for a prompt on a GPU: its final output, when the KV will be
@@ -161,8 +160,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 if (not isinstance(out, BaseException) and out.finished
                         and out.held_block_ids is not None
                         and len(out.output_token_ids) > len(carried)
-                        and (params.n > 1 or not (out.finish_reason == "stop"
-                                                  or params.max_tokens == len(carried) + 1))):
+                        and not _ends(out, params, carried)):
                     blocks = out.held_block_ids
                     checksum = self.instance.loop.engine.kv.checksum_of(rid, blocks)
                     desc = self.source.describe(rid, blocks, num_prompt_tokens + len(carried),
@@ -227,3 +225,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+
+def _ends(final, params: SamplingParams, carried: list[int]) -> bool:
+    """Whether the prompt's first token ends the request (then no KV is handed off): a stop,
+    or the last token asked for; with n > 1 it ends choice 0 only and the others need the KV."""
+    if params.n > 1:
+        return False
+    return final.finish_reason == "stop" or params.max_tokens == len(carried) + 1
