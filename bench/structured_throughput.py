@@ -1,18 +1,25 @@
 """Structured outputs' cost on CPU (SmolLM2-135M-Instruct, float32, in-process LLMEngine): 64
 JSON-schema requests against 64 unconstrained ones of the same output lengths, batch 32.
 
-The constrained run goes first (greedy, four schemas in turn, max_tokens 96) and fixes each
-request's output length; the unconstrained run generates exactly those lengths (EOS ignored,
-max_tokens = that length), so both produce the same token count from the same prompts. The two
-runs then alternate `--rounds` times on one engine (the box's noise is ~20% between runs of one
-setting, bench/RESULTS.md, and other processes on it only ever slow a run); each mode's figure
-is its best round. Throughput is output tokens
-over the wall time of the whole 64-request workload (prefills and grammar compiles included; a
-compile is cached after the first round). The mask's own cost per step, fill on the host plus
-the apply, is timed apart at batch 1, 32 and 256 on real matchers; `--mask-only` times only
-that, on CPU or CUDA, with no model (a GPU box needs only torch, tokenizers, jinja2, xgrammar).
+A cold run goes first and is reported apart: the constrained workload (greedy, four schemas in
+turn, max_tokens 96) on the fresh engine, which pays what a process pays once (xgrammar's import,
+the vocabulary's TokenizerInfo, the four compiles, the engine's first-use costs). It fixes each
+request's output length; every unconstrained run generates exactly those lengths (EOS ignored,
+max_tokens = that length), so each run of either mode produces the same token count from the
+same prompts (checked, as is that every constrained run's tokens equal the cold run's). Then
+`--rounds` rounds, each one run of each mode on the warm engine, the order alternating between
+rounds (the box's noise is ~20% between runs of one setting, bench/RESULTS.md, and other
+processes only ever slow a run); each mode's figure is its best round, in wall time and in the
+process's CPU time (less sensitive to other load on a shared box). Before this split the
+constrained figure was the cold run itself, against warm unconstrained runs: 0.545 on
+2026-12-02, most of it the cold run's one-time costs. The mask's own cost per step, the fill on
+the host plus the apply, is timed apart at batch 1, 32 and 256 on real matchers at different
+points of a document; `--mask-only` times only that and the sampler, on CPU or CUDA, with no
+model (a GPU box needs only torch, tokenizers, jinja2, xgrammar); on CUDA it also times a step
+whose forward is a stand-in GPU kernel of `--forward-ms`, with and without the mask, which is
+what the mask adds to a decode step when its host-side fill runs while the forward does.
 
-    .venv/bin/python bench/structured_throughput.py --out bench/results/structured_throughput_2026-12-01.json
+    flock /tmp/splitserve-bench.lock .venv/bin/python bench/structured_throughput.py --rounds 2
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import platform
 import time
 from datetime import date
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -57,23 +64,41 @@ def prompts(eng: LLMEngine, n: int) -> list[list[int]]:
                        add_special_tokens=False) for i in range(n)]
 
 
-def timed(eng: LLMEngine, ps: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
-    start = time.perf_counter()
+class Run(NamedTuple):
+    wall_s: float
+    cpu_s: float  # the process's CPU time (every thread's), time.process_time()
+    token_ids: list[list[int]]  # each request's outputs
+
+
+def timed(eng: LLMEngine, ps: list[list[int]], params: list[SamplingParams]) -> Run:
+    cpu, start = time.process_time(), time.perf_counter()
     outs = eng.generate(ps, params)
-    return time.perf_counter() - start, outs
+    return Run(time.perf_counter() - start, time.process_time() - cpu,
+               [o.output_token_ids for o in outs])
+
+
+DOCUMENT = '{"title": "Dune", "tags": ["science fiction", "classic", "desert"]}'  # SCHEMAS[2]
+
+
+def document_states(cache: GrammarCache, tokenizer: Tokenizer, batch: int) -> list[GrammarState]:
+    """`batch` matchers of SCHEMAS[2], row i some tokens further into DOCUMENT than row i - 1
+    (between keys, inside strings, in the array): the mix of masks a batch of decodes sees."""
+    future = cache.get(StructuredOutput("json", json.dumps(SCHEMAS[2])))
+    future.result()
+    ids = tokenizer.encode(DOCUMENT, add_special_tokens=False)
+    states = []
+    for i in range(batch):
+        s = GrammarState(future, tokenizer.eos_token_ids)
+        assert s.activate(ids[:i % len(ids)])
+        states.append(s)
+    return states
 
 
 def mask_cost(cache: GrammarCache, tokenizer: Tokenizer, batch: int, device: str = "cpu",
               steps: int = 50) -> float:
     """Microseconds per step for fill (host) + apply over `batch` constrained rows of the vocab
     (on CUDA: until the apply has run, the step's own sync)."""
-    future = cache.get(StructuredOutput("json", json.dumps(SCHEMAS[0])))
-    future.result()
-    states = []
-    for _ in range(batch):
-        s = GrammarState(future, tokenizer.eos_token_ids)
-        s.activate(tokenizer.encode('{"name": "', add_special_tokens=False))
-        states.append(s)
+    states = document_states(cache, tokenizer, batch)
     masker = TokenMasker()
     logits = torch.randn(batch, cache.vocab_size, device=device)
     rows = list(range(batch))
@@ -90,33 +115,47 @@ def mask_cost(cache: GrammarCache, tokenizer: Tokenizer, batch: int, device: str
 
 
 def sampler_cost(cache: GrammarCache, tokenizer: Tokenizer, batch: int, device: str,
-                 steps: int = 30) -> dict[str, float]:
+                 steps: int = 30, forward_ms: float = 0.0) -> dict[str, float]:
     """Microseconds per Sampler call (greedy) over `batch` rows, all constrained or none,
-    the two timed in alternation so that other load on the box falls on both alike."""
+    the two timed in alternation so that other load on the box falls on both alike.
+    forward_ms (CUDA): each call follows a stand-in forward, a GPU kernel that keeps the device
+    busy that long (torch.cuda._sleep), so the figure is a whole step's: the mask's host-side
+    fill runs while the device runs the forward, as in the engine."""
     from common.engine.core.sequence import Sequence
     from common.engine.sampler import Sampler
 
-    future = cache.get(StructuredOutput("json", json.dumps(SCHEMAS[0])))
-    future.result()
-    head = tokenizer.encode('{"name": "', add_special_tokens=False)
     plain = [Sequence(f"p{i}", [1], SamplingParams(temperature=0.0)) for i in range(batch)]
     constrained = [Sequence(f"c{i}", [1], SamplingParams(temperature=0.0)) for i in range(batch)]
-    for seq in constrained:
-        seq.grammar = GrammarState(future, tokenizer.eos_token_ids)
-        seq.grammar.activate(head)
+    for seq, state in zip(constrained, document_states(cache, tokenizer, batch), strict=True):
+        seq.grammar = state
     sampler = Sampler()
     logits = torch.randn(batch, cache.vocab_size, device=device)
+    cycles = _sleep_cycles(forward_ms) if forward_ms else 0
     total = {"unconstrained": 0.0, "json_schema": 0.0}
     for i in range(steps + 2):
         for mode, seqs in (("unconstrained", plain), ("json_schema", constrained)):
             start = time.perf_counter()
+            if cycles:
+                torch.cuda._sleep(cycles)
             sampler(logits, seqs)  # waits for the tokens: the step's one sync
             if i >= 2:
                 total[mode] += time.perf_counter() - start
     return {mode: t / steps * 1e6 for mode, t in total.items()}
 
 
-def mask_only(tokenizer_dir: Path, device: str) -> dict[str, dict]:
+def _sleep_cycles(ms: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep spins for `ms` milliseconds (measured)."""
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * ms / start.elapsed_time(end))
+
+
+def mask_only(tokenizer_dir: Path, device: str, forward_ms: float) -> dict[str, dict]:
     """The mask's cost alone (no model): for a GPU box without the engine's dependencies."""
     tok = Tokenizer.from_dir(tokenizer_dir)
     cache = GrammarCache(tok, 49152, tok.eos_token_ids)
@@ -127,7 +166,19 @@ def mask_only(tokenizer_dir: Path, device: str) -> dict[str, dict]:
     for b, us in samplers.items():
         print(f"sampler per step, batch {b} ({device}): unconstrained {us['unconstrained']:.0f} "
               f"us, json_schema {us['json_schema']:.0f} us")
-    return {"mask_us_per_step": masks, "sampler_us_per_step": samplers}
+    out = {"mask_us_per_step": masks, "sampler_us_per_step": samplers}
+    if device == "cuda":
+        steps = {b: sampler_cost(cache, tok, b, device, forward_ms=forward_ms)
+                 for b in (1, 32, 256)}
+        for b, us in steps.items():
+            added = us["json_schema"] / us["unconstrained"] - 1
+            print(f"step with a {forward_ms} ms stand-in forward, batch {b}: unconstrained "
+                  f"{us['unconstrained']:.0f} us, json_schema {us['json_schema']:.0f} us "
+                  f"(the mask adds {100 * added:.1f}%)")
+        out["step_us_with_stand_in_forward"] = steps
+        out["forward_ms"] = forward_ms
+    cache.close()
+    return out
 
 
 def main() -> None:
@@ -140,9 +191,12 @@ def main() -> None:
     ap.add_argument("--mask-only", type=Path, default=None, metavar="TOKENIZER_DIR",
                     help="time only the mask, with this tokenizer directory, on --device")
     ap.add_argument("--device", default="cpu", help="for --mask-only: cpu or cuda")
+    ap.add_argument("--forward-ms", type=float, default=6.5,
+                    help="for --mask-only on CUDA: the stand-in forward's length (the batch-32 "
+                         "decode step the mask is judged against)")
     args = ap.parse_args()
     if args.mask_only is not None:
-        costs = mask_only(args.mask_only, args.device)
+        costs = mask_only(args.mask_only, args.device, args.forward_ms)
         if args.out:
             args.out.write_text(json.dumps({"date": date.today().isoformat(),
                                             "device": args.device, **costs,
@@ -160,27 +214,41 @@ def main() -> None:
     ps = prompts(eng, args.requests)
     constrained = [SamplingParams(max_tokens=96, temperature=0.0, structured=StructuredOutput(
         "json", json.dumps(SCHEMAS[i % len(SCHEMAS)]))) for i in range(args.requests)]
-    first_s, outs = timed(eng, ps, constrained)
-    lengths = [len(o.output_token_ids) for o in outs]
+    cpu, start = time.process_time(), time.perf_counter()
+    outs = eng.generate(ps, constrained)
+    cold = Run(time.perf_counter() - start, time.process_time() - cpu,
+               [o.output_token_ids for o in outs])
+    lengths = [len(t) for t in cold.token_ids]
     valid = sum(1 for o in outs if o.finish_reason == "stop" and _parses(o.text))
     free = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
-    seconds: dict[str, list[float]] = {"json_schema": [first_s], "unconstrained": []}
-    for r in range(args.rounds):  # constrained, unconstrained, constrained, ...
-        seconds["unconstrained"].append(timed(eng, ps, free)[0])
-        if r < args.rounds - 1:
-            seconds["json_schema"].append(timed(eng, ps, constrained)[0])
+    runs: dict[str, list[Run]] = {"unconstrained": [], "json_schema": []}
+    for r in range(args.rounds):  # unconstrained first in even rounds, constrained in odd ones
+        order = [("unconstrained", free), ("json_schema", constrained)]
+        for mode, params in order[::-1] if r % 2 else order:
+            run = timed(eng, ps, params)
+            if [len(t) for t in run.token_ids] != lengths:
+                raise RuntimeError(f"a {mode} run's output lengths differ from the cold run's")
+            if mode == "json_schema" and run.token_ids != cold.token_ids:
+                raise RuntimeError("a warm constrained run's tokens differ from the cold run's")
+            runs[mode].append(run)
     tokens = sum(lengths)
-    tps = {mode: tokens / min(s) for mode, s in seconds.items()}
+    tps = {mode: tokens / min(r.wall_s for r in rs) for mode, rs in runs.items()}
+    cpu_tps = {mode: tokens / min(r.cpu_s for r in rs) for mode, rs in runs.items()}
     ratio = tps["json_schema"] / tps["unconstrained"]
+    cpu_ratio = cpu_tps["json_schema"] / cpu_tps["unconstrained"]
     masks = {b: mask_cost(eng.grammars, eng.tokenizer, b) for b in (1, 32, 256)}
 
-    print(f"{args.requests} requests, batch {args.batch}, {tokens} output tokens each run, "
-          f"{valid}/{args.requests} constrained outputs valid JSON")
-    print("| mode | runs (s) | best output tok/s |")
-    print("|---|---|---|")
-    for mode, s in seconds.items():
-        print(f"| {mode} | {', '.join(f'{x:.1f}' for x in s)} | {tps[mode]:.1f} |")
-    print(f"constrained / unconstrained: {ratio:.3f}")
+    print(f"{args.requests} requests, batch {args.batch}, {tokens} output tokens in every run "
+          f"(checked), {valid}/{args.requests} constrained outputs valid JSON (the rest reach "
+          f"max_tokens 96)")
+    print(f"cold constrained run (xgrammar import, compiles, first use): {cold.wall_s:.1f} s "
+          f"wall, {cold.cpu_s:.1f} s CPU")
+    print("| mode (warm) | runs, wall s | runs, CPU s | best output tok/s (wall) |")
+    print("|---|---|---|---|")
+    for mode, rs in runs.items():
+        print(f"| {mode} | {', '.join(f'{r.wall_s:.1f}' for r in rs)} | "
+              f"{', '.join(f'{r.cpu_s:.1f}' for r in rs)} | {tps[mode]:.1f} |")
+    print(f"constrained / unconstrained: {ratio:.3f} by wall time, {cpu_ratio:.3f} by CPU time")
     print("mask per step (fill + apply, CPU): "
           + ", ".join(f"batch {b}: {us:.0f} us" for b, us in masks.items()))
     if args.out:
@@ -188,9 +256,13 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.cpu_threads,
-            "requests": args.requests, "batch": args.batch, "output_tokens": tokens,
-            "lengths": lengths, "valid": valid, "seconds": seconds, "tokens_per_s": tps,
-            "ratio": ratio, "mask_us_per_step": masks}, indent=2))
+            "load_average": os.getloadavg(), "requests": args.requests, "batch": args.batch,
+            "output_tokens": tokens, "lengths": lengths, "valid": valid,
+            "cold": {"wall_s": cold.wall_s, "cpu_s": cold.cpu_s},
+            "wall_s": {m: [r.wall_s for r in rs] for m, rs in runs.items()},
+            "cpu_s": {m: [r.cpu_s for r in rs] for m, rs in runs.items()},
+            "tokens_per_s": tps, "ratio": ratio, "cpu_ratio": cpu_ratio,
+            "mask_us_per_step": masks}, indent=2))
 
 
 def _parses(text: str) -> bool:
