@@ -168,15 +168,18 @@ class TokenMasker:
 
     Per call: one xgrammar call fills every constrained row's bitmask on the host (a C++ loop,
     threaded on a box with more than 2 cores), one vectorised check finds dead ends, and one
-    apply masks the rows: on CUDA xgrammar's Triton kernel after one non_blocking copy, on the
-    CPU bitwise torch ops (apply_bitmask_cpu). On CUDA the fill runs on the host while the
-    device still runs the step's forward (launched before the sampler), and the host buffers
-    are pinned and take turns: each is reused only after the copy that read it two calls ago has
+    apply masks the rows: on the CPU by bitwise torch ops (apply_bitmask_cpu); on CUDA by one
+    launch of xgrammar's Triton kernel after one non_blocking copy of one pinned buffer that
+    holds the bitmask and the constrained rows' indices. The sampler runs after the step's
+    forward is launched, so on CUDA the host fills while the device runs the forward. Two pinned
+    buffers take turns: each is reused only after the copy that read it two calls ago has
     finished (its event; by then that step's tokens have been read, so the wait costs nothing),
     so the copy runs without a host sync."""
 
     def __init__(self) -> None:
         self._batch: xgr.BatchGrammarMatcher | None = None  # made on first use
+        # Flat int32 staging: [n * words] the bitmask, row r for logits row r, then (CUDA) the
+        # constrained rows' indices.
         self._host: list[torch.Tensor | None] = [None, None]
         self._device: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
@@ -186,30 +189,33 @@ class TokenMasker:
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
         """In place: logits [n, vocab] float32; rows[j] is constrained by states[j]."""
         n, vocab = logits.shape
-        cuda = logits.device.type == "cuda"
-        turn = self._turn
-        self._turn ^= 1 if cuda else 0
-        host = self._buffer(turn, n, (vocab + 31) // 32, cuda)
-        self.fill(host, rows, states)
-        if not cuda:
+        words = (vocab + 31) // 32
+        if logits.device.type != "cuda":
+            mask = self._staging(0, n * words, pinned=False)[:n * words].view(n, words)
+            self.fill(mask, rows, states)
             if len(rows) == n:
-                self._scratch = apply_bitmask_cpu(logits, host, self._scratch)
+                self._scratch = apply_bitmask_cpu(logits, mask, self._scratch)
             else:
                 index = torch.tensor(rows, dtype=torch.long)
                 sub = logits.index_select(0, index)
-                self._scratch = apply_bitmask_cpu(sub, host.index_select(0, index),
+                self._scratch = apply_bitmask_cpu(sub, mask.index_select(0, index),
                                                   self._scratch)
                 logits.index_copy_(0, index, sub)
             return
+        turn, self._turn = self._turn, self._turn ^ 1
+        size = n * words + len(rows)
+        host = self._staging(turn, size, pinned=True)
+        self.fill(host[:n * words].view(n, words), rows, states)
+        host.numpy()[n * words:size] = rows
         device = self._device[turn]
-        if device is None or device.shape[0] < host.shape[0] or device.shape[1] != host.shape[1]:
-            device = self._device[turn] = torch.empty_like(self._host[turn], device=logits.device)
-        mask = device[:n]
-        mask.copy_(host, non_blocking=True)
+        if device is None or device.numel() < host.numel():
+            device = self._device[turn] = torch.empty_like(host, device=logits.device)
+        device[:size].copy_(host[:size], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._copied[turn] = event
-        _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows,
+        _xgr().apply_token_bitmask_inplace(logits, device[:n * words].view(n, words),
+                                           vocab_size=vocab, indices=device[n * words:size],
                                            backend="triton")
 
     def fill(self, bitmask: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
@@ -227,16 +233,17 @@ class TokenMasker:
             for t in states[j].stop_token_ids:
                 row[t // 32] |= np.uint32(1 << (t % 32))
 
-    def _buffer(self, turn: int, n: int, words: int, pinned: bool) -> torch.Tensor:
+    def _staging(self, turn: int, size: int, pinned: bool) -> torch.Tensor:
+        """Host buffer `turn` (flat int32, at least `size`), once the copy that last read it is
+        done."""
         event = self._copied[turn]
         if event is not None:
             event.synchronize()
         host = self._host[turn]
-        if host is None or host.shape[0] < n or host.shape[1] != words:
-            rows = max(n, 2 * host.shape[0] if host is not None else 8)
-            host = torch.empty(rows, words, dtype=torch.int32, pin_memory=pinned)
-            self._host[turn] = host
-        return host[:n]
+        if host is None or host.numel() < size:
+            grown = max(size, 2 * host.numel() if host is not None else 0)
+            host = self._host[turn] = torch.empty(grown, dtype=torch.int32, pin_memory=pinned)
+        return host
 
 
 _NEG_INF_BITS = -8388608  # float32 -inf (0xff800000) as an int32
