@@ -2,9 +2,10 @@
 // read in place from the paged pool (no gathered copy), in float32 whatever the pool's dtype.
 // Built and called by kernels/cpu_decode_attention.py, which also holds the torch reference.
 //
-// One task per (sequence, KV head): the query heads that share the KV head are scored against
-// each key as it is read, their scores kept (float32, one row per head), softmaxed, and the values
-// summed with those weights; 16 lanes at a time (head_dim 32, 64, 96, 128 or 256).
+// One task per (sequence, KV head), and in it one query head at a time (the heads that share the
+// KV head read its context from the cache after the first): the keys are scored 16 positions at a
+// time, the scores (float32) softmaxed, and the values summed with those weights; 16 lanes at a
+// time (head_dim 32, 64, 96, 128 or 256).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -69,53 +70,75 @@ inline void store(T* dst, vfloat v) {
   for (int l = 0; l < LANES; ++l) dst[l] = static_cast<T>(v[l]);
 }
 
+// The lane sums of 16 vectors, as the lanes of one: out[i] = sum(a[i]). Each level folds every
+// vector's partial sums to half as many lanes and packs two vectors' into one (45 shuffles and
+// adds where 16 separate sums take ~240 scalar steps).
+inline vfloat sum16(const vfloat* a) {
+  vfloat b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
 // One sequence's query heads h * group .. (h + 1) * group - 1 against KV head h of its context;
-// NV = head_dim / LANES. scores: room for group * round_up(len, LANES) floats.
+// NV = head_dim / LANES. scores: room for round_up(len, LANES) floats. Head by head, so that its
+// query (and then its output) stays in registers; the context's later passes hit the cache.
 template <typename T, int NV>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
             int64_t bs, int64_t slot_stride, int64_t h, int64_t group, float scale, T* out,
-            vfloat* qv, vfloat* acc, float* scores) {
+            float* scores) {
   constexpr int64_t D = NV * LANES;
   const int64_t block_stride = bs * slot_stride, width = (len + LANES - 1) / LANES * LANES;
-  for (int64_t g = 0; g < group; ++g)
-    for (int j = 0; j < NV; ++j) qv[g * NV + j] = load(q + (h * group + g) * D + j * LANES) * scale;
-  for (int64_t p = 0; p < len; ++p) {
-    const T* k = k_cache + table[p / bs] * block_stride + (p % bs) * slot_stride + h * D;
-    vfloat kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = load(k + j * LANES);
-    for (int64_t g = 0; g < group; ++g) {
-      vfloat s = qv[g * NV] * kv[0];
-      for (int j = 1; j < NV; ++j) s += qv[g * NV + j] * kv[j];
-      scores[g * width + p] = hsum(s);
-    }
-  }
+  auto row = [&](const T* cache, int64_t p) {
+    return cache + table[p / bs] * block_stride + (p % bs) * slot_stride + h * D;
+  };
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * width;
-    const float m = *std::max_element(s, s + len);
-    std::fill(s + len, s + width, m - 1000.0f);  // exp() of these is ~0: zeroed below
-    vfloat sum{};
+    const T* qg = q + (h * group + g) * D;
+    vfloat qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = load(qg + j * LANES) * scale;
+    for (int64_t p0 = 0; p0 < len; p0 += LANES) {
+      vfloat s[LANES];
+      for (int64_t l = 0; l < LANES; ++l) {
+        const T* k = row(k_cache, std::min(p0 + l, len - 1));  // past the end: scored, dropped
+        s[l] = qv[0] * load(k);
+        for (int j = 1; j < NV; ++j) s[l] += qv[j] * load(k + j * LANES);
+      }
+      const vfloat sums = sum16(s);
+      std::memcpy(scores + p0, &sums, sizeof sums);
+    }
+    const float m = *std::max_element(scores, scores + len);
+    vfloat total{};
     for (int64_t p = 0; p < width; p += LANES) {
-      vfloat e = vexp(load(s + p) - m);
-      if (p + LANES > len)
-        for (int64_t l = len - p; l < LANES; ++l) e[l] = 0;
-      std::memcpy(s + p, &e, sizeof e);
-      sum += e;
+      vfloat e = vexp(load(scores + p) - m);
+      for (int64_t l = std::max<int64_t>(len - p, 0); l < LANES; ++l) e[l] = 0;
+      std::memcpy(scores + p, &e, sizeof e);
+      total += e;
     }
-    const float inv = 1.0f / hsum(sum);
-    for (int64_t p = 0; p < len; ++p) s[p] *= inv;
-  }
-  for (int64_t i = 0; i < group * NV; ++i) acc[i] = vfloat{};
-  for (int64_t p = 0; p < len; ++p) {
-    const T* v = v_cache + table[p / bs] * block_stride + (p % bs) * slot_stride + h * D;
-    vfloat vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load(v + j * LANES);
-    for (int64_t g = 0; g < group; ++g) {
-      const float w = scores[g * width + p];
-      for (int j = 0; j < NV; ++j) acc[g * NV + j] += w * vv[j];
+    const float inv = 1.0f / hsum(total);
+    vfloat acc[NV] = {};
+    for (int64_t p = 0; p < len; ++p) {
+      const T* v = row(v_cache, p);
+      const float w = scores[p];
+      for (int j = 0; j < NV; ++j) acc[j] += w * load(v + j * LANES);
     }
+    for (int j = 0; j < NV; ++j) store(out + (h * group + g) * D + j * LANES, acc[j] * inv);
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int j = 0; j < NV; ++j) store(out + (h * group + g) * D + j * LANES, acc[g * NV + j]);
 }
 
 template <typename T, int NV>
@@ -136,13 +159,12 @@ void decode(const at::Tensor& q,             // [n, heads, d]
   T* op = out.data_ptr<T>();
   const int64_t max_len = n ? *std::max_element(lens, lens + n) : 0;
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vfloat> qv(group * NV), acc(group * NV);
-    std::vector<float> scores(group * ((max_len + LANES - 1) / LANES * LANES));
+    std::vector<float> scores((max_len + LANES - 1) / LANES * LANES);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kvh, h = task % kvh;
       attend<T, NV>(qp + b * q.stride(0), kp, vp, tables + b * table_stride, lens[b], bs,
                     slot_stride, h, group, static_cast<float>(scale), op + b * out.stride(0),
-                    qv.data(), acc.data(), scores.data());
+                    scores.data());
     }
   });
 }
