@@ -14,7 +14,9 @@ the best repetition counts. The systems run one after another, never at once.
 
 --peer vllm runs ../shared/peers/vllm_cpu/run.sh (its own venv, all cores bound, tcmalloc and
 Intel OpenMP, vLLM's defaults otherwise) on the same workload files. HF `generate` runs in static
-padded batches of --hf-batch. Each system's settings and the box's load average go in the JSON.
+padded batches of --hf-batch. Each system's settings and the box's load average go in the JSON,
+with resident memory: splitserve's process after its runs (the engine runs in it), beside its
+weights + KV pool bytes; vLLM's peak over its process tree (sampled every 0.2 s).
 
     .venv/bin/python bench/cpu_throughput.py --dtypes float32,bfloat16 --peer vllm \\
         --json bench/results/cpu_throughput.json
@@ -23,6 +25,7 @@ padded batches of --hf-batch. Each system's settings and the box's load average 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +36,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+import psutil
 import torch
 
 from common.engine.config import EngineConfig
@@ -101,11 +105,37 @@ def run_vllm(model_dir: str, workload_file: Path, dtype: str, reps: int) -> dict
     """The peer's JSON (settings, a row per repetition, first 8 outputs), or {"error": ...}."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "vllm.json"
-        done = subprocess.run(["bash", str(PEER), model_dir, str(workload_file), dtype, str(out),
-                               "--reps", str(reps)], capture_output=True, text=True)
-        if done.returncode != 0 or not out.exists():
-            return {"error": (done.stderr or done.stdout)[-2000:]}
-        return json.loads(out.read_text())
+        log = Path(tmp) / "vllm.log"
+        with log.open("w") as f:
+            proc = subprocess.Popen(["bash", str(PEER), model_dir, str(workload_file), dtype,
+                                     str(out), "--reps", str(reps)], stdout=f, stderr=f)
+            peak = _peak_tree_rss(proc)
+        if proc.returncode != 0 or not out.exists():
+            return {"error": log.read_text()[-2000:]}
+        return {**json.loads(out.read_text()), "peak_rss_mib": peak}
+
+
+def _peak_tree_rss(proc: subprocess.Popen) -> dict[str, float]:
+    """Waits for proc; the peak resident MiB of its whole tree and of its largest process."""
+    root, tree, largest = psutil.Process(proc.pid), 0, 0
+    while proc.poll() is None:
+        rss = []
+        with contextlib.suppress(psutil.Error):
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    rss.append(p.memory_info().rss)
+        tree, largest = max(tree, sum(rss)), max(largest, max(rss, default=0))
+        time.sleep(0.2)
+    return {"tree": round(tree / 2**20), "largest_process": round(largest / 2**20)}
+
+
+def _engine_bytes(engine: LLMEngine) -> dict[str, float]:
+    """MiB of splitserve's process now, and of the model's parameters and the KV pool."""
+    weights = sum(t.numel() * t.element_size() for t in engine.model.parameters())
+    pool = engine.runner.kv_cache
+    return {"rss_mib": round(psutil.Process().memory_info().rss / 2**20),
+            "weights_mib": round(weights / 2**20),
+            "kv_pool_mib": round(pool.numel() * pool.element_size() / 2**20)}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -174,10 +204,16 @@ def main() -> None:
                         row["vs_vllm"] = round(row["vllm_s"] / ours, 2)
                         row["agreement_with_vllm"] = agreement(first8, peer["first8_token_ids"])
                 print(f"  {w['name']} {dtype}: splitserve {ours:.2f} s"
-                      + (f", vLLM {row['vllm_s']:.2f} s" if "vllm_s" in row else
+                      + (f", vLLM {row['vllm_s']:.2f} s (peak RSS MiB {peer['peak_rss_mib']})"
+                         if "vllm_s" in row else
                          (f", vLLM failed: {row['vllm']['error'][-300:]}" if "vllm" in row
                           else "")), flush=True)
                 results.append(row)
+            memory = _engine_bytes(engine)
+            for row in results:
+                if row["dtype"] == dtype:
+                    row["splitserve_memory"] = memory
+            print(f"  splitserve {dtype} memory (MiB): {memory}", flush=True)
             del engine
             if args.hf:
                 from transformers import AutoModelForCausalLM

@@ -16,6 +16,7 @@ from common.models.ops_onednn import (
     OneDnnLinear,
     install_cpu_ops,
     onednn_available,
+    onednn_bf16_available,
     onednn_ops,
     resolve_cpu_linear,
 )
@@ -86,17 +87,16 @@ def test_repacks_a_weight_modified_in_place() -> None:
     assert linear.num_packs == 2
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "requires_grad", "bias_bfloat16"])
+@pytest.mark.parametrize("case", ["float16", "requires_grad", "float64"])
 def test_falls_back_to_f_linear(case: str) -> None:
     g = torch.Generator().manual_seed(3)
     weight, x, bias = torch.randn(32, 16, generator=g), torch.randn(3, 16, generator=g), None
-    if case == "bfloat16":
-        weight, x = weight.bfloat16(), x.bfloat16()
+    if case == "float16":
+        weight, x = weight.half(), x.half()
     elif case == "requires_grad":
         weight.requires_grad_(True)
     else:
-        bias = torch.randn(32, generator=g).bfloat16()
-        x, weight = x.bfloat16(), weight.bfloat16()
+        weight, x, bias = weight.double(), x.double(), torch.randn(32, generator=g).double()
     linear = OneDnnLinear()
     out = linear(x, weight, bias)
     assert torch.equal(out, F.linear(x, weight, bias))
@@ -105,6 +105,51 @@ def test_falls_back_to_f_linear(case: str) -> None:
         out.sum().backward()
         assert weight.grad is not None
         torch.testing.assert_close(weight.grad, x.sum(0).expand(32, 16))
+
+
+needs_bf16 = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 kernels")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 32])
+def test_bf16_matches_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(192, 576, generator=g).bfloat16()
+    bias = torch.randn(192, generator=g).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    linear = OneDnnLinear()
+    got, want = linear(x, weight, bias), F.linear(x.float(), weight.float(), bias.float())
+    assert got.dtype == torch.bfloat16 and linear.num_packs == 1
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@needs_bf16
+def test_bf16_weight_packed_in_float32_gives_float32() -> None:
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 64, generator=g).bfloat16()
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    linear = OneDnnLinear()
+    linear.pack(weight, torch.float32)
+    _close(linear(x, weight, None), F.linear(x.float(), weight.float()))
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_release_and_restore(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and not onednn_bf16_available():
+        pytest.skip("no oneDNN bf16 kernels")
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(48, 32, generator=g).to(dtype)
+    original, x = weight.clone(), torch.randn(3, 32, generator=g).to(dtype)
+    linear = OneDnnLinear()
+    want = linear(x, weight, None)
+    linear.release(weight)
+    assert weight.untyped_storage().nbytes() == 0 and weight.shape == (48, 32)
+    assert torch.equal(linear(x, weight, None), want)
+    with pytest.raises(RuntimeError, match="restore"):
+        linear(x.half(), weight, None)
+    linear.restore()
+    assert torch.equal(weight, original)
 
 
 def test_resolve_cpu_linear() -> None:
@@ -132,10 +177,15 @@ def test_install_packs_linears_and_tied_head(engine_factory) -> None:
     # qkv, o, gate|up and down per layer, and the tied embedding for the logits
     assert model.lm_head is None
     assert linear.num_packs == 4 * model.config.num_layers + 1
+    # the projections live only in their packed copies; the tied table stays for the embedding
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(w.untyped_storage().nbytes() == 0 for w in weights)
+    assert model.logits_weight.untyped_storage().nbytes() > 0
     install_cpu_ops(model, "onednn")  # a second runner on the same model keeps the packs
     assert model.ops.linear is linear
     install_cpu_ops(model, "torch")
     assert model.ops is REFERENCE_OPS
+    assert all(w.untyped_storage().nbytes() > 0 for w in weights)  # restored
     install_cpu_ops(model, "onednn")
     assert model.ops.linear is not linear
 
@@ -156,6 +206,7 @@ class _RecordingLinear(OneDnnLinear):
 def test_every_projection_and_the_logits_go_through_onednn(engine_factory) -> None:
     engine = engine_factory(cpu_linear="onednn")
     model = engine.model
+    model.ops.linear.restore()  # the weights back, for a linear of the test's own
     linear = _RecordingLinear()
     model.ops = onednn_ops(linear)
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))
