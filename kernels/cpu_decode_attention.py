@@ -8,8 +8,9 @@ The C++ source is compiled on first use by torch.utils.cpp_extension for this CP
 build is never loaded on a CPU it was not made for) and cached on disk: about a minute the first
 time, a library load after. `available()` says whether it built and runs here.
 
-SmolLM2-135M, batch 32 at 450-token contexts, 2 cores (AVX-512), float32, 30 layers: the
-gathered copies and SDPA of the torch path took ~315 ms a step, this kernel ~TBD ms.
+SmolLM2-135M, batch 32 at 450-token contexts, 2 cores (AVX-512), 30 layers (bench/
+cpu_decode_step.py): float32 49.5 ms a step against the gathered path's 371 ms, bfloat16 44.5
+against 68.6; the whole step 134.6 against 461.6 ms (fp32), 98.7 against 138.9 (bf16).
 """
 
 from __future__ import annotations
