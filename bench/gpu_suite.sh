@@ -4,7 +4,10 @@
 #      runner and model, the KV transports with CUDA IPC, the sampler). The image lacks some
 #      packages that tests/common imports (redis, cryptography, grpcio-health-checking, ...):
 #      carry the wheels gpu_disagg.sh lists in .whl/ and the generated protos, e.g.
-#      run(carry=[".whl", "protos/splitserve/v1"])
+#      run(carry=[".whl", "protos/splitserve/v1"]); the structured-output tests also need
+#      SmolLM2's tokenizer: copy tokenizer.json, tokenizer_config.json, config.json and
+#      generation_config.json from the converted model's cache directory into .whl/tok and set
+#      SPLITSERVE_TOKENIZER_DIR=$PWD/.whl/tok there (done below when .whl/tok exists)
 #   2. the kernel benchmark: copy bandwidth, decode-attention bandwidth table (T5), block copy
 #      (T7), extend attention; table on stdout, full numbers in $OUT/kernels.json
 #   3. the model-vs-HF check (bench/gpu_model_check.py)
@@ -19,6 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # the wheels gpu_disagg.sh lists (redis,
     python3 -m pip install -q --no-deps --target "$EXTRA" .whl/*.whl 2>&1 | grep -v WARNING | tail -2
 fi
 export PYTHONPATH="$EXTRA:$PWD" PYTHONUNBUFFERED=1
+if [ -f .whl/tok/tokenizer.json ]; then export SPLITSERVE_TOKENIZER_DIR="$PWD/.whl/tok"; fi
 # tests/common imports these at collection; without them pytest stops before running anything.
 if ! python3 -c 'import redis, cryptography, grpc_health, grpc_reflection' 2>/dev/null \
         || ! ls protos/splitserve/v1/*_pb2.py >/dev/null 2>&1; then
