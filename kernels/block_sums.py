@@ -23,19 +23,24 @@ CHUNK = 2048  # words per program
 
 @triton.jit
 def _block_sums_kernel(
-    words_ptr,             # [OUTER, num_blocks, INNER] int32
-    ids_ptr,               # [n] int64
+    src_ptr,               # [OUTER, num_blocks_src, INNER] int32
+    dst_ptr,               # [OUTER, num_blocks_dst, INNER] int32 (COPY only)
+    ids_ptr,               # [n] int64 source ids, then (COPY) [n] destination ids
     sums_ptr,              # [n, 2] int64, zero at launch
-    stride_outer, stride_block,
-    INNER: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+    n, src_outer, src_block, dst_outer, dst_block,
+    INNER: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr, COPY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = pid // CHUNKS
     offs = (pid % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
     outer = tl.program_id(1).to(tl.int64)
-    block = tl.load(ids_ptr + j)
-    w = tl.load(words_ptr + outer * stride_outer + block * stride_block + offs,
-                mask=offs < INNER, other=0).to(tl.int64)
+    mask = offs < INNER
+    s = tl.load(ids_ptr + j)
+    w = tl.load(src_ptr + outer * src_outer + s * src_block + offs, mask=mask, other=0)
+    if COPY:  # the words just read go to the destination block too
+        d = tl.load(ids_ptr + n + j)
+        tl.store(dst_ptr + outer * dst_outer + d * dst_block + offs, w, mask=mask)
+    w = w.to(tl.int64)
     tl.atomic_add(sums_ptr + 2 * j, tl.sum(w, axis=0))
     tl.atomic_add(sums_ptr + 2 * j + 1, tl.sum(w * w, axis=0))
 
@@ -60,32 +65,10 @@ def block_sums(pool: torch.Tensor,   # [layers, 2, num_blocks, block_size, kv_he
         return sums
     chunks = cdiv(inner, CHUNK)
     _block_sums_kernel[(n * chunks, layers * kv)](
-        words, block_ids, sums, words.stride(0), words.stride(1),
-        INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, num_warps=4)
+        words, words, block_ids, sums, n, words.stride(0), words.stride(1),
+        words.stride(0), words.stride(1),
+        INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, COPY=False, num_warps=4)
     return sums
-
-
-@triton.jit
-def _copy_block_sums_kernel(
-    src_ptr,               # [OUTER, num_blocks_src, INNER] int32
-    dst_ptr,               # [OUTER, num_blocks_dst, INNER] int32
-    ids_ptr,               # [2, n] int64: source ids, then destination ids
-    sums_ptr,              # [n, 2] int64, zero at launch
-    n, src_outer, src_block, dst_outer, dst_block,
-    INNER: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    j = pid // CHUNKS
-    offs = (pid % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
-    outer = tl.program_id(1).to(tl.int64)
-    s = tl.load(ids_ptr + j)
-    d = tl.load(ids_ptr + n + j)
-    mask = offs < INNER
-    w = tl.load(src_ptr + outer * src_outer + s * src_block + offs, mask=mask, other=0)
-    tl.store(dst_ptr + outer * dst_outer + d * dst_block + offs, w, mask=mask)
-    w = w.to(tl.int64)
-    tl.atomic_add(sums_ptr + 2 * j, tl.sum(w, axis=0))
-    tl.atomic_add(sums_ptr + 2 * j + 1, tl.sum(w * w, axis=0))
 
 
 def copy_block_sums(src: torch.Tensor,  # [layers, 2, num_blocks_src, block_size, kv_heads, head_dim]
@@ -114,7 +97,7 @@ def copy_block_sums(src: torch.Tensor,  # [layers, 2, num_blocks_src, block_size
     if n == 0:
         return sums
     chunks = cdiv(inner, CHUNK)
-    _copy_block_sums_kernel[(n * chunks, layers * kv)](
+    _block_sums_kernel[(n * chunks, layers * kv)](
         s3, d3, ids, sums, n, s3.stride(0), s3.stride(1), d3.stride(0), d3.stride(1),
-        INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, num_warps=4)
+        INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, COPY=True, num_warps=4)
     return sums
