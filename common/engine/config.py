@@ -57,8 +57,9 @@ class ModelSettings:
     cpu_threads: int = opt(0, "torch threads on CPU (0: one per core); give each service its "
                            "share when several run on one machine")
     cpu_linear: str = opt("auto", "CPU matmuls of the projections: onednn (weights packed once "
-                          "for oneDNN in place of the originals; bf16 where the CPU has bf16 "
-                          "kernels), torch (F.linear), or auto (onednn where available)")
+                          "for oneDNN, bf16 too where the CPU has bf16 kernels; the packed "
+                          "copies are held beside the weights), torch (F.linear), or auto "
+                          "(onednn where available)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

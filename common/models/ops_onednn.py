@@ -8,11 +8,12 @@ from F.linear by float rounding only (~1e-6 relative). bfloat16 weights are pack
 oneDNN has bf16 kernels for the CPU (AVX-512 BF16 or AMX): at 32 rows SmolLM2's projections took
 0.60 ms a layer against F.linear's 0.72, its logits 5.4 ms against 7.6 (2-core AVX-512 box).
 
-install_cpu_ops packs a model's projections in place: the packed weight replaces the original,
-whose storage is released (the nn.Linear keeps its shape; `OneDnnLinear.restore` brings the
-original back when the model leaves these ops). The logits weight is packed in float32 whatever
-the model's dtype, so that a bf16 model's logits are float32 too (its bf16 hidden states widen
-exactly); when it is the embedding table (tied) the table stays beside its packed copy.
+install_cpu_ops packs a model's projections beside their originals. `OneDnnLinear.release`
+can free an original once packed (the packed copy replacing it), but install_cpu_ops does not
+call it: a tensor whose storage is released keeps its shape, and anything else that touches it
+(a test scaling a layer, a state_dict) reads freed memory and crashes the process instead of
+raising. The logits weight is packed in float32 whatever the model's dtype, so that a bf16
+model's logits are float32 too (its bf16 hidden states widen exactly).
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ def resolve_cpu_linear(name: str) -> str:
 
 def install_cpu_ops(model: nn.Module, cpu_linear: str) -> None:
     """Sets model.ops for the CPU per cpu_linear. For oneDNN, packs the weights of its
-    nn.Linear layers in place (see the module docstring) and its logits weight
-    (model.logits_weight, the embedding table when tied) beside it, in float32. A model with
+    nn.Linear layers beside the originals (see the module docstring) and its logits weight
+    (model.logits_weight, the embedding table when tied), in float32. A model with
     fp8 weights (common.models.fp8) takes the reference ops: a packed copy would be the
     dequantized weights, the memory that fp8 saves."""
     current = model.ops.linear
@@ -175,7 +176,7 @@ def install_cpu_ops(model: nn.Module, cpu_linear: str) -> None:
     head = getattr(model, "logits_weight", None)
     if isinstance(head, torch.Tensor) and packable(head):
         linear.pack(head, torch.float32)
-    for m in model.modules():  # an untied lm_head is released too, from its float32 packing
+    for m in model.modules():  # an untied lm_head's float32 packing is reused
         if isinstance(m, nn.Linear) and packable(m.weight):
-            linear.release(m.weight)
+            linear.pack(m.weight)
     model.ops = onednn_ops(linear)
