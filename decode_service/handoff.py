@@ -97,6 +97,17 @@ class _Slot:
     ended: bool = False               # the Decode call left: nobody takes the blocks
 
 
+class _PullAttributes:
+    """Stands for a span in a pull the doorbell started (no call, so no span yet): keeps the
+    attributes the pull sets, for the span of the Deliver call that answers with it."""
+
+    def __init__(self) -> None:
+        self.attributes: dict = {}
+
+    def set_attributes(self, attributes: dict) -> None:
+        self.attributes.update(attributes)
+
+
 class HandoffInbox:
     def __init__(self, registry: Registry, loop: EngineLoop, timeout_s: float,
                  metrics: DecodeMetrics, *, wait_s: float = 5.0, peer_check_s: float = 1.0,
@@ -118,8 +129,8 @@ class HandoffInbox:
         self.metrics = metrics
         self.shards = RankShards.of(loop.engine)  # the other tensor-parallel ranks, if any
         # Pulls a doorbell started, by request id, until the Deliver call for it comes (or a
-        # while after: the prefill may be gone).
-        self.rung: dict[str, asyncio.Task] = {}
+        # while after: the prefill may be gone), with what the pull would put on a span.
+        self.rung: dict[str, tuple[asyncio.Task, _PullAttributes]] = {}
 
     @property
     def pending(self) -> set[str]:
@@ -240,15 +251,17 @@ class HandoffInbox:
             log.debug("handoff %s: doorbell heard %.2f ms after the first token", rid,
                       1e3 * (time.time() - first_token_unix_s))
         slot.claimed = True
+        pulled = _PullAttributes()  # the Deliver call's span gets them (deliver())
         task = asyncio.get_running_loop().create_task(self._deliver(
-            rid, desc, first_token_id, remaining, tracing.NO_SPAN, first_token_unix_s))
+            rid, desc, first_token_id, remaining, pulled, first_token_unix_s))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by Deliver
-        self.rung[rid] = task
+        self.rung[rid] = (task, pulled)
         self.metrics.handoffs_rung.inc()
         # Forgotten if its Deliver call never comes (the prefill died after ringing).
         asyncio.get_running_loop().call_later(
             max(remaining, self.wait_s) + 1.0,
-            lambda: self.rung.pop(rid, None) if self.rung.get(rid) is task else None)
+            lambda: self.rung.pop(rid, None) if self.rung.get(rid, (None,))[0] is task
+            else None)
 
     # ---- the Deliver call's side --------------------------------------------------------------
     async def deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
@@ -261,8 +274,11 @@ class HandoffInbox:
         outcome (raised errors included) is this call's."""
         rung = self.rung.pop(request_id, None)
         if rung is not None:
-            span.set_attribute("splitserve.doorbell", True)
-            return await asyncio.shield(rung)
+            task, pulled = rung
+            try:
+                return await asyncio.shield(task)
+            finally:
+                span.set_attributes({**pulled.attributes, "splitserve.doorbell": True})
         return await self._deliver(request_id, desc, first_token_id, time_remaining_s, span,
                                    first_token_unix_s)
 
