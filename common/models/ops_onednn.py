@@ -8,12 +8,12 @@ from F.linear by float rounding only (~1e-6 relative). bfloat16 weights are pack
 oneDNN has bf16 kernels for the CPU (AVX-512 BF16 or AMX): at 32 rows SmolLM2's projections took
 0.60 ms a layer against F.linear's 0.72, its logits 5.4 ms against 7.6 (2-core AVX-512 box).
 
-install_cpu_ops packs a model's projections beside their originals. `OneDnnLinear.release`
-can free an original once packed (the packed copy replacing it), but install_cpu_ops does not
-call it: a tensor whose storage is released keeps its shape, and anything else that touches it
-(a test scaling a layer, a state_dict) reads freed memory and crashes the process instead of
-raising. The logits weight is packed in float32 whatever the model's dtype, so that a bf16
-model's logits are float32 too (its bf16 hidden states widen exactly).
+install_cpu_ops packs a model's projections beside their originals. Freeing an original once
+packed (its storage resized to nothing) was tried and undone: such a tensor keeps its shape, and
+anything else that touches it (a test scaling a layer, a state_dict) reads freed memory and
+crashes the process instead of raising. The logits weight is packed in float32 whatever the
+model's dtype, so that a bf16 model's logits are float32 too (its bf16 hidden states widen
+exactly).
 """
 
 from __future__ import annotations
@@ -73,16 +73,11 @@ class OneDnnLinear:
         # id(weight) -> (weight, its version when packed, packed copy); the weight is held so
         # that its id is not reused while the entry exists.
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        # id(weight) -> weight, for the weights whose storage release() gave up
-        self._released: dict[int, torch.Tensor] = {}
         self.num_packs = 0
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.serves(x, weight, bias):
-            if id(weight) in self._released:
-                raise RuntimeError("this weight lives only in its packed copy: call "
-                                   "OneDnnLinear.restore() before F.linear can take it")
             return F.linear(x, weight, bias)
         packed = self.pack(weight)
         x2 = x.reshape(-1, x.shape[-1])
@@ -104,29 +99,11 @@ class OneDnnLinear:
         entry = self._packed.get(id(weight))
         if entry is not None and entry[0] is weight and entry[1] == version:
             return entry[2]
-        if id(weight) in self._released:
-            raise RuntimeError("a released weight cannot be packed again (restore() it first)")
         packed = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().to(dtype or weight.dtype).contiguous(), self.batch_size_hint)
         self._packed[id(weight)] = (weight, version, packed)
         self.num_packs += 1
         return packed
-
-    def release(self, weight: torch.Tensor) -> None:
-        """Packs weight (if it is not) and frees its own storage: the packed copy replaces it.
-        The tensor keeps its shape; anything but this object reading it fails."""
-        self.pack(weight)
-        weight.untyped_storage().resize_(0)
-        self._released[id(weight)] = weight
-
-    def restore(self) -> None:
-        """Gives every released weight its storage and values back (from the packed copy)."""
-        for key, weight in self._released.items():
-            packed = self._packed[key][2]
-            weight.untyped_storage().resize_(weight.numel() * weight.element_size())
-            with torch.no_grad():
-                weight.copy_(packed.to_dense())
-        self._released.clear()
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -166,8 +143,6 @@ def install_cpu_ops(model: nn.Module, cpu_linear: str) -> None:
     dequantized weights, the memory that fp8 saves."""
     current = model.ops.linear
     if resolve_cpu_linear(cpu_linear) == "torch" or is_quantized(model):
-        if isinstance(current, OneDnnLinear):
-            current.restore()
         model.ops = REFERENCE_OPS
         return
     if isinstance(current, OneDnnLinear):  # a second runner on the same model

@@ -133,25 +133,6 @@ def test_bf16_weight_packed_in_float32_gives_float32() -> None:
     _close(linear(x, weight, None), F.linear(x.float(), weight.float()))
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_release_and_restore(dtype: torch.dtype) -> None:
-    if dtype == torch.bfloat16 and not onednn_bf16_available():
-        pytest.skip("no oneDNN bf16 kernels")
-    g = torch.Generator().manual_seed(5)
-    weight = torch.randn(48, 32, generator=g).to(dtype)
-    original, x = weight.clone(), torch.randn(3, 32, generator=g).to(dtype)
-    linear = OneDnnLinear()
-    want = linear(x, weight, None)
-    linear.release(weight)
-    assert weight.untyped_storage().nbytes() == 0 and weight.shape == (48, 32)
-    assert torch.equal(linear(x, weight, None), want)
-    with pytest.raises(RuntimeError, match="restore"):
-        linear(x.half(), weight, None)
-    linear.restore()
-    assert torch.equal(weight, original)
-
-
 def test_resolve_cpu_linear() -> None:
     assert resolve_cpu_linear("torch") == "torch"
     assert resolve_cpu_linear("auto") == ("onednn" if onednn_available() else "torch")
@@ -205,7 +186,6 @@ class _RecordingLinear(OneDnnLinear):
 def test_every_projection_and_the_logits_go_through_onednn(engine_factory) -> None:
     engine = engine_factory(cpu_linear="onednn")
     model = engine.model
-    model.ops.linear.restore()  # the weights back, for a linear of the test's own
     linear = _RecordingLinear()
     model.ops = onednn_ops(linear)
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))
