@@ -13,9 +13,10 @@ to no sequence.
 
 Thread rule: every method runs on the engine's thread (services call through EngineLoop.call),
 except reads of `pool`, the KV pool tensor itself, which transfer threads may read (held blocks)
-and write (reserved blocks) while the engine steps, and `checksum_of`, which any thread may call. A copy into reserved blocks on a GPU first
-waits for the event reserve_for_copy() returned, if any (the step in flight may still write
-blocks that were free when it was launched).
+and write (reserved blocks) while the engine steps, and `checksum_of`, which any thread may
+call. A copy into reserved blocks on a GPU first waits for the event reserve_for_copy()
+returned, if any (the step in flight may still write blocks that were free when it was
+launched).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class KVConnector:
         entry = self._sums.get(request_id)
         if entry is None or entry[0] != list(block_ids):
             return None
-        ids, host, event = entry
+        _, host, event = entry
         event.synchronize()
         return combine(host.tolist())
 
