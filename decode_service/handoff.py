@@ -283,7 +283,7 @@ class HandoffInbox:
                                    first_token_unix_s)
 
     async def _deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
-                       time_remaining_s: float | None, span: tracing.Span,
+                       time_remaining_s: float | None, span: tracing.Span | _PullAttributes,
                        first_token_unix_s: float) -> tuple[bool, str]:
         arrived = time.monotonic()
         if request_id in self.gone:
@@ -343,7 +343,7 @@ class HandoffInbox:
         return True, ""
 
     def _pull(self, desc: HandoffDescriptor, blocks: list[int], after: torch.cuda.Event | None,
-              deadline: float | None, span: tracing.Span) -> str:
+              deadline: float | None, span: tracing.Span | _PullAttributes) -> str:
         """The pull thread's part: copy and verify; "" when the KV may be used, else why not."""
         start = time.monotonic()
         pool = self.loop.engine.kv_cache
