@@ -7,7 +7,9 @@
 The weight is quantized once at load (kernels.torch_ops.quantize_rows: one scale per output
 channel); its [N, K] row-major storage is the column-major [K, N] operand _scaled_mm wants, so
 no copy is made. The reference is kernels.torch_ops.fp8_linear (the same quantization, float32
-arithmetic on the fp8 values). Batch-1 projections do not come here: they stream the fp8 weight
+arithmetic on the fp8 values). Where a norm or an activation comes first, it quantizes its own
+output in the same launch (kernels.norm_act.rms_norm_fp8, silu_and_mul_fp8) and the GEMM runs
+as fp8_linear_prequantized: no quantization launch of its own. Batch-1 projections do not come here: they stream the fp8 weight
 through the GEMVs (kernels.skinny_gemm, fused_gemv, fused_qkv with weight_scale), whose
 activations stay in the model's dtype.
 """
@@ -77,6 +79,19 @@ def fp8_linear(x: torch.Tensor,                   # [M, K] bf16
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(qweight.shape)} {qweight.dtype}: see supports()")
     xq, xs = quantize_per_token(x)
+    return fp8_linear_prequantized(xq, xs, qweight, weight_scale, bias, x.dtype)
+
+
+def fp8_linear_prequantized(xq: torch.Tensor,                 # [M, K] fp8 e4m3fn
+                            xs: torch.Tensor,                 # [M, 1] float32
+                            qweight: torch.Tensor,            # [N, K] fp8 e4m3fn, row-major
+                            weight_scale: torch.Tensor,       # [N] float32
+                            bias: torch.Tensor | None,        # [N], out_dtype
+                            out_dtype: torch.dtype = torch.bfloat16,
+                            ) -> torch.Tensor:                # [M, N] out_dtype
+    """fp8_linear's GEMM on activations already quantized per token (by the kernel before it:
+    kernels.norm_act.rms_norm_fp8, silu_and_mul_fp8)."""
+    n = qweight.shape[0]
     out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=weight_scale.view(1, n),
-                           out_dtype=x.dtype)
+                           out_dtype=out_dtype)
     return out if bias is None else out.add_(bias)

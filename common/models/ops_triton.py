@@ -11,7 +11,9 @@ builds its unfused A/B set from them.
 
 FP8 weights (common.models.fp8.Fp8Weight): the same batch-1 kernels read the fp8 weight and
 apply its row scales; with more rows, linear quantizes the activations per token and runs
-torch._scaled_mm (kernels.fp8_linear), or the dequantized weight where that does not apply.
+torch._scaled_mm (kernels.fp8_linear), or the dequantized weight where that does not apply;
+norm_linear and act_linear then quantize in their norm / activation kernel (norm_act's _fp8
+forms), so the GEMM follows with no quantization launch between.
 """
 
 from __future__ import annotations
@@ -65,12 +67,23 @@ _norm_linear_in_turn = compose_norm_linear(norm_act.rms_norm, linear)
 _act_linear_in_turn = compose_act_linear(norm_act.silu_and_mul, linear)
 
 
+def _quantized_gemm(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> bool:
+    """Whether x [M, K] goes to the fp8 GEMM with its quantization fused into the kernel before
+    (more rows than the GEMVs take, an fp8 weight that fp8_linear serves)."""
+    return (isinstance(weight, Fp8Weight) and x.dim() == 2
+            and not skinny_gemm.supports(x, weight.qweight, bias, fp8=True)
+            and fp8_linear.supports(x, weight.qweight))
+
+
 def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: Weight,
                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     w, scale, fp8 = _gemv_operands(weight)
     if fused_gemv.supports(h, w, bias, fp8=fp8):
         return fused_gemv.norm_linear(h, residual, norm_weight, eps, w, bias, weight_scale=scale)
+    if _quantized_gemm(h, weight, bias):
+        xq, xs, residual = norm_act.rms_norm_fp8(h, norm_weight, eps, residual)
+        return fp8_linear.fp8_linear_prequantized(xq, xs, w, scale, bias, h.dtype), residual
     return _norm_linear_in_turn(h, residual, norm_weight, eps, weight, bias)
 
 
@@ -79,6 +92,9 @@ def act_linear(gate_up: torch.Tensor, weight: Weight,
     w, scale, fp8 = _gemv_operands(weight)
     if fused_gemv.supports(gate_up, w, bias, fp8=fp8):
         return fused_gemv.act_linear(gate_up, w, bias, weight_scale=scale)
+    if gate_up.dim() == 2 and _quantized_gemm(gate_up[:, :w.shape[1]], weight, bias):
+        xq, xs = norm_act.silu_and_mul_fp8(gate_up)
+        return fp8_linear.fp8_linear_prequantized(xq, xs, w, scale, bias, gate_up.dtype)
     return _act_linear_in_turn(gate_up, weight, bias)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fp8_linear, kv_store, torch_ops
+from kernels import fp8_linear, kv_store, norm_act, torch_ops
 from kernels.decode_attention import paged_attention_decode
 from kernels.extend_attention import paged_attention_extend
 from kernels.fused_gemv import act_linear, norm_linear
@@ -118,6 +118,55 @@ def test_fused_gemvs_fp8_weight(device: str, check_rel) -> None:
     gate_up = torch.randn(1, 2 * k, device=device).to(dtype)
     check_rel(act_linear(gate_up, q, None, weight_scale=scale).float(),
               act_linear(gate_up, w, None).float(), tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_and_act_quantize_in_the_same_launch(device: str, with_residual: bool) -> None:
+    """rms_norm_fp8 / silu_and_mul_fp8 = quantize_rows of rms_norm / silu_and_mul: the same
+    scales, the same e4m3 values (the interpreter's conversion aside), the residual exact."""
+    m, k, dtype = (5, 80, F32) if device == "cpu" else (300, 4096, BF16)
+    x = (torch.randn(m, k, device=device) * 3).to(dtype)
+    x[1] = 0
+    res = torch.randn(m, k, device=device).to(dtype) if with_residual else None
+    g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    q, scale, new_res = norm_act.rms_norm_fp8(x, g, EPS, res)
+    normed, want_res = torch_ops.rms_norm(x, g, EPS, res)
+    want_q, want_scale = torch_ops.quantize_rows(normed)
+    assert torch.equal(new_res, want_res)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6 if dtype == BF16 else 1e-5, atol=0)
+    _assert_fp8_close(q, want_q, device)
+    gate_up = (torch.randn(m, 2 * k, device=device) * 2).to(dtype)
+    q, scale = norm_act.silu_and_mul_fp8(gate_up)
+    want_q, want_scale = torch_ops.quantize_rows(torch_ops.silu_and_mul(gate_up))
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6 if dtype == BF16 else 1e-5, atol=0)
+    if device == "cuda":
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    else:
+        _assert_fp8_close(q, want_q, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [17, 256])
+def test_ops_norm_and_act_linear_fp8_weight_many_rows(m: int, check_rel) -> None:
+    """The CUDA ops above the GEMVs' batch: norm (or activation) quantizing in its own launch,
+    then _scaled_mm; against the reference W8A8 of the reference norm / activation."""
+    from common.models.fp8 import Fp8Weight
+    from common.models.ops_triton import act_linear as ops_act_linear
+    from common.models.ops_triton import norm_linear as ops_norm_linear
+    n, k = 6144, 4096
+    w = Fp8Weight(*_fp8_weight(n, k, "cuda"))
+    h, res = (torch.randn(m, k, device="cuda").to(BF16) for _ in range(2))
+    g = (1 + 0.1 * torch.randn(k, device="cuda")).to(BF16)
+    out, new_res = ops_norm_linear(h, res, g, EPS, w, None)
+    normed, want_res = torch_ops.rms_norm(h, g, EPS, res)
+    assert torch.equal(new_res, want_res)
+    check_rel(out.float(), torch_ops.fp8_linear(normed.float(), *w).float(), 6e-3)
+    gate_up = torch.randn(m, 2 * k, device="cuda").to(BF16)
+    out = ops_act_linear(gate_up, w, None)
+    want = torch_ops.fp8_linear(torch_ops.silu_and_mul(gate_up).float(), *w)
+    check_rel(out.float(), want.float(), 6e-3)
 
 
 def _paged(seq_lens: list[int], kv_heads: int, d: int, device: str, make_paged
