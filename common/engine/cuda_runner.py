@@ -177,7 +177,7 @@ class CudaGraphRunner(ModelRunner):
         if logits is None:
             return PendingStep([], kind=kind)
         seqs = [s.seq for s in items if s.samples]
-        return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens), kind=kind)
+        return self.sampled_step(seqs, logits, kind=kind)
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds n rows (None: no graph fits)."""

@@ -412,6 +412,7 @@ class LLMEngine:
             outputs += self._finish_step(*previous)
         if launched is not None:
             out, pending = launched
+            pending.sample()  # deferred until the matchers saw the step just read (PendingStep)
             self.scheduler.update(out)  # the next schedule() must see this step as computed
             self._add_placeholders(pending)
             self._in_flight = launched
@@ -474,12 +475,12 @@ class LLMEngine:
     def _add_placeholders(self, pending: PendingStep) -> None:
         """Overlap: each sequence that sampled in the step just launched, and may go on, gets a
         placeholder for that token, so the next schedule() gives it a decode row (penalties
-        read the token on the device). Sequences that hand their blocks off when they end, or
-        that this token surely ends, or whose grammar must see it first, wait for the real
-        token."""
+        read the token on the device; a constrained row's sampling waits for its matcher to see
+        the token, see PendingStep). Sequences that hand their blocks off when they end, or that
+        this token surely ends, wait for the real token."""
         for row, seq in enumerate(pending.seqs):
             p = seq.params
-            if (seq.is_finished or seq.hold_kv or seq.grammar is not None
+            if (seq.is_finished or seq.hold_kv
                     or seq.num_output_tokens + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
                 continue

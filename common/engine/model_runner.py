@@ -98,13 +98,21 @@ class StepOutput(NamedTuple):
 class PendingStep:
     """A launched step. tokens: the sampled tokens on the device (one per sequence in seqs, the
     order placeholders refer to), or None for a verification step (its result is final). kind:
-    the path that ran it, a key of the runner's `steps` ("eager" for ModelRunner.run_step)."""
+    the path that ran it, a key of the runner's `steps` ("eager" for ModelRunner.run_step).
+
+    Deferred sampling (overlap scheduling with structured outputs): a constrained sequence whose
+    last token is a placeholder cannot have its mask filled until its matcher has seen that
+    token, i.e. until the engine has read the previous step. Its step is then launched up to its
+    logits, and `sampling` samples them: the engine calls sample() once it has read the
+    previous step (LLMEngine.step), and `tokens` or result() call it if nobody has."""
 
     def __init__(self, seqs: list[Sequence], sample: DeviceSample | None = None,
                  done: StepOutput | None = None, *, kind: str = "eager",
-                 prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] | None = None):
+                 prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] | None = None,
+                 sampling: Callable[[], DeviceSample] | None = None):
         self.seqs = seqs
         self._sample = sample
+        self._sampling = sampling
         self._done = done
         self.kind = kind
         # prompt_logprobs: request id -> (prompt position, log-probability of its token) for the
@@ -112,11 +120,24 @@ class PendingStep:
         self.prompt_logprobs = prompt_logprobs or {}
 
     @property
+    def deferred(self) -> bool:
+        """Whether the step's sampling waits for sample()."""
+        return self._sampling is not None
+
+    def sample(self) -> None:
+        """Launch the deferred sampling (nothing if there is none, or it ran)."""
+        if self._sampling is not None:
+            sampling, self._sampling = self._sampling, None
+            self._sample = sampling()
+
+    @property
     def tokens(self) -> torch.Tensor | None:
+        self.sample()
         return None if self._sample is None else self._sample.tokens
 
     def result(self) -> StepOutput:
         """Wait for the device and return the step's output (cached)."""
+        self.sample()
         if self._done is None:
             if self._sample is None:
                 self._done = StepOutput([], [], [], [], [])
@@ -168,7 +189,7 @@ class ModelRunner:
         self.verifier = RejectionSampler(self.sampler)
         self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks = self._pool_size()
-        self.last_tokens: torch.Tensor | None = None  # what placeholders refer to
+        self.last_step: PendingStep | None = None  # its tokens are what placeholders refer to
         self.ranks: RankWorkers | None = None  # the other tensor-parallel ranks (LLMEngine sets)
         self.steps: dict[str, int] = {"eager": 0}  # launches by PendingStep.kind
         self.step_listeners: list[Callable[[StepTiming], None]] = []
@@ -204,6 +225,12 @@ class ModelRunner:
                          psutil.virtual_memory().available * cache.kv_cache_memory_fraction)
         return max(1, int(budget // (self.bytes_per_block + self.extra_bytes_per_block)))
 
+    @property
+    def last_tokens(self) -> torch.Tensor | None:
+        """The tokens the last launched step sampled, on the device (placeholders refer to
+        them); reading them launches that step's deferred sampling if it has not run."""
+        return None if self.last_step is None else self.last_step.tokens
+
     # ---- one step -----------------------------------------------------------------------------
     def _fill_placeholders(self, input_ids: torch.Tensor, dst: torch.Tensor,
                            src: torch.Tensor) -> None:
@@ -223,10 +250,12 @@ class ModelRunner:
         run_step; step listeners hear of it."""
         timed = bool(self.step_listeners)
         start = time.perf_counter() if timed else 0.0
+        if self.last_step is not None:  # a deferred sampling reads logits this step may reuse
+            self.last_step.sample()
         items = decodes_first(out.scheduled)
         step = build_step_input(step_rows(items), self.block_size)
         pending = self.run_step(items, step, draft_probs or {})
-        self.last_tokens = pending.tokens
+        self.last_step = pending
         self.steps[pending.kind] += 1
         if timed:
             timing = StepTiming(pending.kind, start, time.perf_counter())
@@ -260,10 +289,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx] if len(rows) < step.num_tokens else hidden)
         seqs = [s.seq for s in sampling]
         if not any(s.spec_token_ids for s in sampling):
-            return PendingStep(seqs, self.sampler.sample(logits, seqs, self.last_tokens),
-                               prompt_logprobs=prompt_lps)
+            return self.sampled_step(seqs, logits, prompt_logprobs=prompt_lps)
         return PendingStep(seqs, done=self._verify(sampling, logits, draft_probs),
                            prompt_logprobs=prompt_lps)
+
+    def sampled_step(self, seqs: list[Sequence], logits: torch.Tensor, **kw) -> PendingStep:
+        """The PendingStep that samples `logits` (a row per sequence), now or, where a
+        constrained sequence's last token is still a placeholder, deferred (see PendingStep);
+        kw: PendingStep's keyword arguments."""
+        previous = self.last_tokens
+        if any(seq.grammar is not None and seq.token_ids[-1] < 0 for seq in seqs):
+            return PendingStep(seqs, sampling=lambda: self._sample(logits, seqs, previous), **kw)
+        return PendingStep(seqs, self._sample(logits, seqs, previous), **kw)
+
+    @torch.inference_mode()  # a deferred sampling runs outside run_step's
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                previous: torch.Tensor | None) -> DeviceSample:
+        return self.sampler.sample(logits, seqs, previous)
 
     def prompt_logprobs(self, items: list[ScheduledSeq], step: StepInput, hidden: torch.Tensor,
                         ) -> dict[str, list[tuple[int, TokenLogprobs]]]:

@@ -109,7 +109,12 @@ class Sampler:
             return DeviceSample(torch.empty(0, dtype=torch.long, device=logits.device), None, [])
         masked = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
         penalised = [i for i, seq in enumerate(seqs) if seq.params.needs_penalties]
-        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        # A finished row (overlap: ended by the step read before this deferred sampling) is
+        # wasted; its matcher may be terminated.
+        constrained = [i for i, seq in enumerate(seqs)
+                       if seq.grammar is not None and not seq.is_finished]
+        if any(seqs[i].token_ids[-1] < 0 for i in constrained):
+            raise RuntimeError("a constrained row sampled before its last token is known")
         if logits.dtype != torch.float32 and (masked or penalised or constrained or not all(
                 seq.params.greedy and seq.params.logprobs is None for seq in seqs)):
             # Lower-precision logits (the CUDA decode graphs') are upcast before anything

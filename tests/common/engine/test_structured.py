@@ -196,17 +196,37 @@ def test_compile_runs_off_the_callers_thread(engine):
 
 
 def test_overlap_scheduling_gives_the_same_constrained_tokens(engine, model_cache_dir):
-    """Overlap scheduling (CUDA's default, forced on here): a constrained sequence takes no
-    placeholder, its matcher sees each token before the next mask; greedy tokens equal the
-    synchronous engine's, beside an unconstrained request that does overlap."""
+    """Overlap scheduling (CUDA's default, forced on here): a constrained sequence takes a
+    placeholder like any other, and its step's sampling waits until its matcher has seen the
+    token (PendingStep's deferred sampling). Greedy and seeded tokens equal the synchronous
+    engine's, beside unconstrained requests, a constrained request ends (its grammar
+    terminated) while its next row is in flight, and every constrained request samples at every
+    step: it does not decode only every other step."""
     overlapped = LLMEngine(build(EngineConfig, model_cache_dir=str(model_cache_dir),
                                  num_kv_blocks=128, overlap_scheduling="on"))
     assert overlapped.overlap
     prompt = chat(engine, "Describe a person as JSON.")
-    params = [SamplingParams(max_tokens=48, temperature=0.0,
-                             structured=StructuredOutput("json", json.dumps(SCHEMA))),
-              SamplingParams(max_tokens=24, temperature=0.0)]
-    want = engine.generate([prompt, prompt], params)
-    got = overlapped.generate([prompt, prompt], params)
+    schema = StructuredOutput("json", json.dumps(SCHEMA))
+    params = [SamplingParams(max_tokens=48, temperature=0.0, structured=schema),
+              SamplingParams(max_tokens=24, temperature=0.0),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=7, structured=schema,
+                             frequency_penalty=0.3),
+              SamplingParams(max_tokens=8, temperature=0.0,
+                             structured=StructuredOutput("choice", choices=("yes", "no")))]
+    prompts = [prompt, prompt, prompt, chat(engine, "Is the sky blue?")]
+    want = engine.generate(prompts, params)
+    for p in params:  # compile outside the measured run
+        if p.structured is not None:
+            overlapped.grammars.get(p.structured).result()
+    launches = sum(overlapped.runner.steps.values())
+    got = overlapped.generate(prompts, params)
+    launches = sum(overlapped.runner.steps.values()) - launches
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     jsonschema.validate(json.loads(got[0].text), SCHEMA)
+    assert got[3].text in ("yes", "no") and got[3].finish_reason == "stop"
+    # One prefill step, then a decode step per further token of the longest request, plus the
+    # wasted row of a request that ended in the step before (each step samples every row).
+    longest = max(len(o.output_token_ids) for o in got)
+    assert launches <= longest + 1, (launches, longest)
+    assert overlapped.block_manager.num_used_blocks == 0
