@@ -76,3 +76,39 @@ def test_cuda_sampler_picks_inside_the_grammar(states):
     assert tok.decode([tokens[1]]).isdigit()
     assert tok.decode([tokens[2]]) in ("y", "ye", "yes", "n", "no")
     assert tokens[0] == int(logits[0].float().argmax())
+
+
+def test_overlap_samples_constrained_rows_every_step(states):
+    """The CUDA-graph runner with overlap scheduling (CUDA's default): constrained rows take
+    placeholders and their steps' sampling waits for the matchers (PendingStep's deferred
+    sampling), so each constrained request samples at every step, and the tokens equal the
+    synchronous engine's (random weights of SmolLM2's vocabulary; the grammar, not the model,
+    shapes the text)."""
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.flags import build
+
+    tok, _ = states
+    specs = [StructuredOutput("json", json.dumps(SCHEMA)), StructuredOutput("regex", "[0-9]{4,40}")]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured=specs[0]),
+              SamplingParams(max_tokens=32, temperature=0.0),
+              SamplingParams(max_tokens=36, temperature=0.8, seed=3, structured=specs[1])]
+    prompts = [[1 + 7 * i + j for j in range(20 + 5 * i)] for i in range(len(params))]
+    results, launches = [], []
+    for overlap in ("off", "on"):
+        e = LLMEngine(build(EngineConfig, model="dummy:smollm2-draft-tiny", device="cuda",
+                            dtype="float32", max_num_seqs=8, max_num_batched_tokens=128,
+                            max_model_len=512, num_kv_blocks=64, overlap_scheduling=overlap))
+        e.tokenizer = tok
+        e.grammars = GrammarCache(tok, e.model_config.vocab_size, tok.eos_token_ids)
+        for spec in specs:
+            e.grammars.get(spec).result(timeout=60)
+        before = sum(e.runner.steps.values())
+        results.append(e.generate(prompts, params))
+        launches.append(sum(e.runner.steps.values()) - before)
+        assert e.block_manager.num_used_blocks == 0
+    sync, overlapped = results
+    assert [o.output_token_ids for o in overlapped] == [o.output_token_ids for o in sync]
+    assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in sync]
+    longest = max(len(o.output_token_ids) for o in sync)
+    assert launches[1] <= longest + 1, launches
