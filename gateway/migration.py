@@ -10,9 +10,12 @@ and count them as outputs for max/min tokens, penalties and seeded draws, so no 
 or skipped and the output equals an undisturbed run's, sampled or not. Once migrated, the gateway
 writes the text itself (TextReplay), so stop strings see the whole output.
 
-A request with n > 1 is retried only before any token reached the client; after that a failure
-ends it UNAVAILABLE (its choices would each need a continuation of their own), and the client
-retries it.
+A request with n > 1 that fails after tokens reached the client goes on as one single-choice
+request per unfinished choice, run side by side: choice i's continuation has its settings
+(SamplingParams.choice: seed + i), its own delivered tokens as outputs and its own text replay,
+so it samples what the undisturbed choice would have; its messages keep index i, and the
+stream's last message carries the usage of every choice. (The prompt's KV is then computed once
+per resumed choice, where the first attempt shared it: a failure path.)
 
 Which failures are retried: UNAVAILABLE from an internal call (the service died or is shutting
 down), an unreachable registry, and no instance being registered. The failed instance is probed
@@ -80,6 +83,10 @@ class Delivery:
         self.pending_text = ""  # text of delivered tokens the client has not seen yet
         self.finished = False
         self.unfinished = req.params.n  # choices whose finish has not been passed on
+        # Per choice (n > 1): the tokens and text delivered, and whether its finish went out.
+        self.choice_tokens: list[list[int]] = [[] for _ in range(req.params.n)]
+        self.choice_text = [""] * req.params.n
+        self.choice_done = [False] * req.params.n
 
     def continuation(self) -> PreparedRequest:
         """The request that generates what the client still lacks: the same prompt and
@@ -94,10 +101,30 @@ class Delivery:
         return dataclasses.replace(self.req, params=dataclasses.replace(self.req.params, stop=stop),
                                    params_pb=params_pb, output_token_ids=tuple(self.token_ids))
 
+    def choice_delivery(self, index: int) -> Delivery:
+        """n > 1: choice `index` as a single-choice request of its own (seed + index), with
+        the tokens and text it has delivered and its migration started (see the module
+        docstring)."""
+        params = self.req.params.choice(index)
+        params_pb = types_pb2.SamplingParams()
+        params_pb.CopyFrom(self.req.params_pb)
+        params_pb.n = 1
+        if params.seed is not None:
+            params_pb.seed = params.seed
+        if params.prompt_logprobs is None:
+            params_pb.ClearField("prompt_logprobs")
+        one = Delivery(dataclasses.replace(self.req, params=params, params_pb=params_pb),
+                       self.arrival, self.tokenizer)
+        one.token_ids = list(self.choice_tokens[index])
+        one.text = self.choice_text[index]
+        one.ttft_ms = self.ttft_ms
+        one.start_migration()
+        return one
+
     def start_migration(self) -> None:
         self.migrations += 1
-        if self.tokenizer is None or self.replay is not None:
-            return
+        if self.tokenizer is None or self.replay is not None or self.req.params.n > 1:
+            return  # n > 1: each choice's own Delivery replays its text (choice_delivery)
         self.replay = TextReplay(self.tokenizer, self.req.prompt_token_ids, self.req.params)
         for token in self.token_ids:
             self.replay.add(token)
@@ -119,6 +146,10 @@ class Delivery:
             self.ttft_ms = ms(time.monotonic() - self.arrival)
         self.token_ids.extend(msg.token_ids)
         self.text += msg.text
+        if self.req.params.n > 1:
+            self.choice_tokens[msg.index].extend(msg.token_ids)
+            self.choice_text[msg.index] += msg.text
+            self.choice_done[msg.index] |= bool(msg.finish_reason)
         self.unfinished -= bool(msg.finish_reason)
         if msg.finish_reason and not self.unfinished:
             self.finished = True
@@ -171,8 +202,17 @@ class Migrator:
     async def run(self, req: PreparedRequest, handle: Inflight, arrival: float,
                   deadline: float) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """Relay.run, resumed elsewhere after each retryable failure."""
-        delivery = Delivery(req, arrival, self.tokenizer)
-        attempt = req
+        async with aclosing(self._run(Delivery(req, arrival, self.tokenizer), handle,
+                                      deadline)) as stream:
+            async for msg in stream:
+                yield msg
+
+    async def _run(self, delivery: Delivery, handle: Inflight, deadline: float,
+                   ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """The request of `delivery`, from what it has delivered (a continuation when it has
+        delivered tokens), as the client's messages."""
+        req, arrival = delivery.req, delivery.arrival
+        attempt = delivery.continuation()
         failures = 0
         while True:
             try:
@@ -185,12 +225,6 @@ class Migrator:
             except (grpc.aio.AioRpcError, SplitserveError, redis.RedisError) as exc:
                 if handle.aborted or not _retryable(exc):
                     raise
-                if delivery.token_ids and req.params.n > 1:
-                    # The continuation carries one choice's outputs; n of them would need
-                    # a DecodeRequest per choice (not built): the client retries the request.
-                    self.counters.gave_up += 1
-                    raise _unavailable(exc, f"a request with n={req.params.n} is not migrated "
-                                            "after its first tokens; retry it") from exc
                 failures += 1
                 failed, why = handle.current, _describe(exc)
                 log.warning("request %s: %s failed after %d tokens (%s); failure %d of %d "
@@ -212,12 +246,66 @@ class Migrator:
                 self.counters.migrations += 1
                 delivery.start_migration()
                 handle.span.add_event("migration", what)
+                if req.params.n > 1:
+                    async with aclosing(self._run_choices(delivery, handle, deadline)) as rest:
+                        async for msg in rest:
+                            yield msg
+                    return
             else:
                 self.counters.retries += 1
                 handle.span.add_event("retry", what)
             attempt = delivery.continuation()
             handle.internal_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
             handle.prefill = handle.decode = handle.current = None
+
+    async def _run_choices(self, delivery: Delivery, handle: Inflight, deadline: float,
+                           ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """n > 1 after a migration: every unfinished choice as a request of its own (each
+        migrated again on a later failure), their messages interleaved as they come, under
+        their choice's index; usage and timings only on the stream's last message."""
+        queue: asyncio.Queue = asyncio.Queue()
+        resumed: list[Delivery] = []
+
+        async def pump(index: int, one: Delivery, child: Inflight) -> None:
+            try:
+                async with aclosing(self._run(one, child, deadline)) as stream:
+                    async for msg in stream:
+                        await queue.put((index, msg))
+                await queue.put((index, None))
+            except Exception as exc:  # noqa: BLE001 - passed on to the caller's stream
+                await queue.put((index, exc))
+
+        tasks = []
+        for index, done in enumerate(delivery.choice_done):
+            if done:
+                continue
+            one = delivery.choice_delivery(index)
+            child = Inflight(handle.request_id, f"{handle.request_id}-{uuid.uuid4().hex[:8]}",
+                             span=handle.span)
+            handle.children.append(child)
+            resumed.append(one)
+            tasks.append(asyncio.create_task(pump(index, one, child)))
+        try:
+            running = len(tasks)
+            while running:
+                index, msg = await queue.get()
+                if isinstance(msg, Exception):
+                    raise msg
+                if msg is None:
+                    running -= 1
+                    continue
+                msg.index = index
+                last = bool(msg.finish_reason) and delivery.unfinished == 1
+                if not last:
+                    msg.ClearField("usage")
+                    msg.ClearField("timings")
+                else:  # further migrations of single choices count too
+                    delivery.migrations += sum(one.migrations - 1 for one in resumed)
+                yield delivery.pass_on(msg)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _probe(self, info: InstanceInfo) -> None:
         """Quarantine the instance unless it answers a health check with SERVING."""

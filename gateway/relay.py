@@ -56,11 +56,16 @@ class Inflight:
     aborted: bool = False
     # The request's span (common/serving/tracing.py): the services' spans are its children.
     span: tracing.Span = tracing.NO_SPAN
+    # n > 1 after a migration: one request per unfinished choice (gateway/migration.py),
+    # aborted with this one.
+    children: list[Inflight] = field(default_factory=list)
 
     def abort(self) -> None:
         self.aborted = True
         for call in self.calls:
             call.cancel()
+        for child in self.children:
+            child.abort()
 
     def check(self) -> None:
         if self.aborted:

@@ -127,3 +127,31 @@ def test_seeded_sampling_with_penalties_continues_exactly(engine, undisturbed):
     for k in (1, 8):
         msgs = migrate_at(engine, prompt, params, ref_msgs, k)
         assert tokens_and_text(msgs) == want, k
+
+
+def test_n_choices_each_continue_as_a_request_of_their_own(engine):
+    """n = 3, seeded, cut after both choices 0 and 1 have tokens and choice 2 finished: choices
+    0 and 1 continue as single-choice requests (seed + index, their own outputs and text, stop
+    strings to their own replay, prompt logprobs with choice 0 only); choice 2 is not resumed.
+    (tests/gateway/test_structured_migration.py checks the tokens against an undisturbed run.)"""
+    prompt = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=11, n=3,
+                            stop=["tide"], prompt_logprobs=1)
+    req = PreparedRequest("client", prompt, params, params_to_pb(params))
+    delivery = Delivery(req, 0.0, engine.tokenizer)
+    for index, tokens, finish in ((0, [5, 6], 0), (1, [7], 0), (2, [8, 9],
+                                                                 types_pb2.FINISH_REASON_STOP)):
+        delivery.pass_on(generation_pb2.GenerateStreamResponse(
+            request_id="client", token_ids=tokens, text=f"<{index}>", index=index,
+            finish_reason=finish))
+    delivery.start_migration()
+    assert delivery.replay is None  # each choice replays its own text
+    assert delivery.choice_done == [False, False, True]
+    for index, tokens in ((0, [5, 6]), (1, [7])):
+        one = delivery.choice_delivery(index)
+        cont = one.continuation()
+        assert cont.output_token_ids == tuple(tokens) and one.text == f"<{index}>"
+        assert cont.params.n == 1 and cont.params_pb.n == 1
+        assert cont.params.seed == cont.params_pb.seed == 11 + index
+        assert cont.params.stop == [] and not cont.params_pb.stop and one.replay is not None
+        assert cont.params_pb.HasField("prompt_logprobs") == (index == 0)
