@@ -9,7 +9,9 @@ detaches before the end, the request keeps running for retention_s; if nobody re
 then, it is cancelled (its blocks are freed on every service as for any cancelled request). A
 finished log is kept retention_s for late reconnects, then dropped. Messages are replayed whole:
 a resume point must fall between two messages (a client that received a message has all its
-tokens and text).
+tokens and text). With n > 1 the log holds every choice's messages in the order they went out,
+and a resume point counts tokens over all of them; a client also counting messages
+(Resume.num_messages_received) resumes exactly, even after a choice's message without tokens.
 """
 
 from __future__ import annotations
@@ -43,8 +45,23 @@ class StreamLog:
     pump: asyncio.Task | None = None
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
-    def first_message_at(self, num_tokens_received: int) -> int:
-        """Index of the first message the client lacks, having received that many tokens."""
+    def first_message_at(self, num_tokens_received: int,
+                         num_messages_received: int | None = None) -> int:
+        """Index of the first message the client lacks, having received that many tokens (and,
+        when given, that many messages: the exact point, checked against the tokens)."""
+        if num_messages_received is not None:
+            if num_messages_received > len(self.messages):
+                raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
+                                   f"request {self.request_id!r} has sent "
+                                   f"{len(self.messages)} messages so far, not "
+                                   f"{num_messages_received}")
+            tokens = (self.starts[num_messages_received] if num_messages_received
+                      < len(self.messages) else self.num_tokens)
+            if tokens != num_tokens_received:
+                raise InvalidRequestError(
+                    f"the first {num_messages_received} messages hold {tokens} tokens, not "
+                    f"{num_tokens_received}")
+            return num_messages_received
         if num_tokens_received > self.num_tokens:
             raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
                                f"request {self.request_id!r} has produced {self.num_tokens} "
@@ -87,16 +104,17 @@ class ResumableStreams:
         return entry
 
     async def follow(self, request_id: str, num_tokens_received: int = 0,
-                     ) -> AsyncIterator[Message]:
-        """The messages after the first num_tokens_received tokens, live until the end; raises
-        what the request ended with (a SplitserveError, an internal call's error)."""
+                     num_messages_received: int | None = None) -> AsyncIterator[Message]:
+        """The messages after the first num_tokens_received tokens (the first
+        num_messages_received messages, when given), live until the end; raises what the
+        request ended with (a SplitserveError, an internal call's error)."""
         entry = self._logs.get(request_id)
         if entry is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"no resumable request {request_id!r} is retained (unknown, not "
                                f"opened as resumable, or ended more than {self.retention_s:.0f} "
                                "s ago)")
-        i = entry.first_message_at(num_tokens_received)
+        i = entry.first_message_at(num_tokens_received, num_messages_received)
         entry.followers += 1
         if not entry.done:  # a finished log's window runs from its end, whoever reads it
             entry.expires_at = None

@@ -63,14 +63,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                        ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """What this call streams: a new request, a new resumable one, or a resumed one."""
         if request.HasField("resume"):
-            return self.resumable.follow(request.request_id, request.resume.num_tokens_received)
+            resume = request.resume
+            return self.resumable.follow(
+                request.request_id, resume.num_tokens_received,
+                resume.num_messages_received if resume.HasField("num_messages_received")
+                else None)
         parent = tracing.context_from(context.invocation_metadata())
         if not request.resumable:
             return self.stream(request, context.time_remaining(), parent)
         if not request.request_id:
             raise InvalidRequestError("a resumable request needs a request_id to reconnect with")
-        if request.params.n > 1:  # resume counts one stream of tokens
-            raise InvalidRequestError("a resumable request takes one choice (n=1)")
         self.resumable.open(request.request_id,
                             self.stream(request, context.time_remaining(), parent))
         return self.resumable.follow(request.request_id)

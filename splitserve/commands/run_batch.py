@@ -111,8 +111,6 @@ class BatchRunner:
                 else:
                     lp, default_max = req.logprobs, 16
                 params = req.sampling_params(lp, max(default_max, 1))
-                if params.n > 1:
-                    raise InvalidRequestError("run-batch answers one choice per line (n=1)")
                 rid = f"batch-{i}-{uuid.uuid4().hex[:8]}"
                 engine.add_request(rid, line.prompt_token_ids, params)
                 ids[rid] = i
@@ -121,36 +119,53 @@ class BatchRunner:
         finals = self._drive(ids)
         return [self._result(line, finals.get(i)) for i, line in enumerate(lines)]
 
-    def _drive(self, ids: dict[str, int]) -> dict[int, tuple[Any, list]]:
-        finals: dict[int, tuple[Any, list]] = {}
-        logprobs: dict[str, list] = {rid: [] for rid in ids}
+    def _drive(self, ids: dict[str, int]) -> dict[int, dict[int, tuple[Any, list]]]:
+        """Steps the engine to the end; per line, per choice index, its final output and
+        logprobs (a line is done when its request's `last` output came)."""
+        finals: dict[int, dict[int, tuple[Any, list]]] = {}
+        logprobs: dict[tuple[str, int], list] = {}
         bar = tqdm(total=len(ids), desc="run-batch", unit="req", disable=not self.progress,
                    file=sys.stderr)
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                key = (out.request_id, out.index)
                 if out.logprobs:
-                    logprobs[out.request_id].extend(out.logprobs)
+                    logprobs.setdefault(key, []).extend(out.logprobs)
                 if out.finished:
-                    finals[ids[out.request_id]] = (out, logprobs.pop(out.request_id))
-                    bar.update(1)
+                    finals.setdefault(ids[out.request_id], {})[out.index] = (
+                        out, logprobs.pop(key, []))
+                    bar.update(out.last)
         bar.close()
         return finals
 
-    def _result(self, line: _Line, final: tuple[Any, list] | None) -> dict[str, Any]:
-        if line.error or final is None:
+    def _result(self, line: _Line,
+                final: dict[int, tuple[Any, list]] | None) -> dict[str, Any]:
+        """The line's result: one choice per index (n), usage summed over them."""
+        if line.error or not final:
             status, message = line.error or (500, "request did not finish")
             return _error_result(line.custom_id, status, message)
-        out, lps = final
-        if out.error is not None:  # e.g. a structured output's schema its parser refused
-            return _error_result(line.custom_id, out.error.http_status, out.error.message)
+        failed = next((out.error for out, _ in final.values() if out.error is not None), None)
+        if failed is not None:  # e.g. a structured output's schema its parser refused
+            return _error_result(line.custom_id, failed.http_status, failed.message)
         req = line.request
         request_id = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         build = chat_body if isinstance(req, ChatCompletionRequest) else completion_body
-        body = build(request_id=request_id, model=self.engine.model_name, text=out.text,
-                     finish_reason=out.finish_reason, prompt_token_ids=out.prompt_token_ids,
-                     output_token_ids=out.output_token_ids, cached_tokens=out.num_cached_tokens,
-                     return_token_ids=req.return_token_ids,
-                     logprobs=self._logprobs(req, lps) if lps else None)
+        body: dict[str, Any] = {}
+        for index in sorted(final):
+            out, lps = final[index]
+            one = build(request_id=request_id, model=self.engine.model_name, text=out.text,
+                        finish_reason=out.finish_reason, prompt_token_ids=out.prompt_token_ids,
+                        output_token_ids=out.output_token_ids,
+                        cached_tokens=out.num_cached_tokens,
+                        return_token_ids=req.return_token_ids,
+                        logprobs=self._logprobs(req, lps) if lps else None)
+            one["choices"][0]["index"] = index
+            if body:
+                body["choices"] += one["choices"]
+                body["usage"]["completion_tokens"] += one["usage"]["completion_tokens"]
+                body["usage"]["total_tokens"] += one["usage"]["completion_tokens"]
+            else:
+                body = one
         return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
                 "response": {"status_code": 200, "request_id": request_id, "body": body},
                 "error": None}

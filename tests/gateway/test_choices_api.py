@@ -202,12 +202,33 @@ def test_grpc_bad_n_is_invalid_argument(stack: Stack):
             stack.stub.Generate(generation_pb2.GenerateRequest(
                 prompt=PROMPT, params=types_pb2.SamplingParams(max_tokens=4, n=n)), timeout=60.0)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-    with pytest.raises(grpc.RpcError) as err:  # resume replays one stream of tokens
-        list(stack.stub.GenerateStream(generation_pb2.GenerateStreamRequest(
-            request_id="n2-resumable", resumable=True, prompt=PROMPT,
-            params=types_pb2.SamplingParams(max_tokens=4, n=2)), timeout=60.0))
-    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert "resumable request takes one choice" in err.value.details()
+
+
+def test_grpc_resumable_n_reconnects_exactly(stack: Stack):
+    """A resumable n = 2 stream dropped after three messages and resumed with the tokens and
+    messages received gives, over both connections, the messages of an unbroken stream."""
+    params = types_pb2.SamplingParams(max_tokens=12, temperature=0.9, seed=7, n=2)
+    whole = list(stack.stub.GenerateStream(generation_pb2.GenerateStreamRequest(
+        prompt=PROMPT, params=params), timeout=300.0))
+    call = stack.stub.GenerateStream(generation_pb2.GenerateStreamRequest(
+        request_id="n2-resumable", resumable=True, prompt=PROMPT, params=params), timeout=300.0)
+    first = [next(call) for _ in range(3)]
+    call.cancel()  # the connection drops; the request goes on
+    rest = list(stack.stub.GenerateStream(generation_pb2.GenerateStreamRequest(
+        request_id="n2-resumable", resume=generation_pb2.Resume(
+            num_tokens_received=sum(len(m.token_ids) for m in first),
+            num_messages_received=len(first))), timeout=300.0))
+    got = first + rest
+
+    def choices(msgs):
+        out: dict[int, tuple[list[int], str, int]] = {}
+        for m in msgs:
+            tokens, text, finish = out.get(m.index, ([], "", 0))
+            out[m.index] = (tokens + list(m.token_ids), text + m.text, finish or m.finish_reason)
+        return out
+
+    assert choices(got) == choices(whole)
+    assert got[-1].usage.completion_tokens == whole[-1].usage.completion_tokens == 24
 
 
 def test_grpc_prompt_logprobs(stack: Stack):

@@ -157,3 +157,33 @@ def test_a_request_nobody_reattaches_to_is_cancelled_then_forgotten():
         await streams.close()
 
     asyncio.run(main())
+
+
+def test_n_choices_resume_exactly_by_messages_received():
+    """n > 1: a choice may end in a message without tokens; a resume point that counts messages
+    too replays exactly what follows, and one that does not match its tokens is refused."""
+    async def main() -> None:
+        streams = ResumableStreams(retention_s=5.0)
+        msgs = [Msg(request_id="r", token_ids=[0], index=0),
+                Msg(request_id="r", token_ids=[1], index=1),
+                Msg(request_id="r", index=1, finish_reason=types_pb2.FINISH_REASON_ABORT),
+                Msg(request_id="r", token_ids=[2], index=0,
+                    finish_reason=types_pb2.FINISH_REASON_LENGTH)]
+        source = Source(msgs)
+        streams.open("r", source.run())
+        source.release(4)
+        assert len([m async for m in streams.follow("r")]) == 4
+        # Two tokens alone resume at the tokenless finish (sent again); three messages do not.
+        assert [m.index for m in [m async for m in streams.follow("r", 2)]] == [1, 0]
+        rest = [m async for m in streams.follow("r", 2, num_messages_received=3)]
+        assert [(m.index, list(m.token_ids)) for m in rest] == [(0, [2])]
+        assert [m async for m in streams.follow("r", 3, num_messages_received=4)] == []
+        cases = [(1, 3, grpc.StatusCode.INVALID_ARGUMENT, "the first 3 messages hold 2 tokens"),
+                 (3, 5, grpc.StatusCode.OUT_OF_RANGE, "has sent 4 messages so far, not 5")]
+        for n, m, code, text in cases:
+            with pytest.raises(SplitserveError) as err:
+                await anext(streams.follow("r", n, num_messages_received=m))
+            assert err.value.grpc_status == code.name and text in err.value.message
+        await streams.close()
+
+    asyncio.run(main())

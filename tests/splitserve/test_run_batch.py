@@ -32,11 +32,14 @@ def test_run_batch_lines(model_cache_dir):
         line("bad-model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}),
         line("lp", "/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0,
                                        "logprobs": 2}),
+        line("n3", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6,
+                                       "temperature": 0.9, "seed": 4, "n": 3,
+                                       "return_token_ids": True}),
     ]
     results = BatchRunner(engine, progress=False).run(lines)
     by_id = {r["custom_id"]: r for r in results}
     assert [r["custom_id"] for r in results] == ["c1", "chat", "line-3", "bad-url", "bad-param",
-                                                   "bad-model", "lp"]
+                                                   "bad-model", "lp", "n3"]
 
     c1 = by_id["c1"]["response"]
     assert c1["status_code"] == 200 and by_id["c1"]["error"] is None
@@ -65,6 +68,17 @@ def test_run_batch_lines(model_cache_dir):
 
     lp = by_id["lp"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == 3 and all(len(t) <= 2 for t in lp["top_logprobs"])
+
+    # n = 3: one choice per index, choice i equal to a one-choice request with seed + i.
+    n3 = by_id["n3"]["response"]["body"]
+    assert [c["index"] for c in n3["choices"]] == [0, 1, 2]
+    story = tok.encode("Once upon a time")
+    for i, choice in enumerate(n3["choices"]):
+        one = engine.generate([story], SamplingParams(max_tokens=6, temperature=0.9,
+                                                      seed=4 + i))[0]
+        assert choice["token_ids"] == one.output_token_ids and choice["text"] == one.text
+    assert n3["usage"]["completion_tokens"] == 18
+    assert n3["usage"]["total_tokens"] == len(story) + 18
     assert engine.block_manager.num_used_blocks == 0
 
 
