@@ -46,6 +46,7 @@ class DecodeConfig:
     num_stages: int = 3
     waves: int = 4         # default_num_splits aims at about this many programs per multiprocessor
     fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
+    widen_v_first: bool = True  # an fp8 pool under a 16-bit q: V to fp16 before shared memory
 
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device,
@@ -163,6 +164,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
+    WIDEN_V_FIRST: tl.constexpr = False,
 ):
     # kv heads fastest: the heads of one sequence run side by side, reading the adjacent
     # 256-byte rows of the same blocks (H200, batch 256 at context 640: 1% faster than the other
@@ -201,6 +203,11 @@ def _decode_split_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + (block * stride_vb + row * stride_vt + kvh * stride_vh)[:, None]
                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        if WIDEN_V_FIRST:
+            # The select keeps the widening ahead of shared memory: fp16 V reaches the dot
+            # through ldmatrix.trans, where fp8 V went in single bytes (LDS.U8) for want of a
+            # transposing 8-bit load (sm_90 SASS, triton 3.9 AOT)
+            v = tl.where(kv_mask, v.to(tl.float16), 0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -333,6 +340,7 @@ def paged_attention_decode(
     group = h // kvh
     block_d = next_pow2(d)
     fused = config.fused_merge
+    f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     _decode_split_kernel[(kvh, b, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out,
         *((ws.acc, ws.max, ws.sum, ws.tickets) if ws is not None else (out,) * 4),
@@ -346,7 +354,7 @@ def paged_attention_decode(
         HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        F16_DOT=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        F16_DOT=f16_dot, WIDEN_V_FIRST=f16_dot and config.widen_v_first,
         FUSED_MERGE=fused, MERGE_G=next_pow2(group),
         CHUNK_S=_merge_chunk(next_pow2(group), block_d, config.num_warps, 32),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import fp8_linear, kv_store, norm_act, torch_ops
-from kernels.decode_attention import paged_attention_decode
+from kernels.decode_attention import DecodeConfig, paged_attention_decode
 from kernels.extend_attention import paged_attention_extend
 from kernels.fused_gemv import act_linear, norm_linear
 from kernels.fused_qkv import norm_qkv_rotary_store
@@ -188,6 +188,27 @@ def test_decode_attention_fp8_pool(device: str, make_paged, check_rel) -> None:
     out = paged_attention_decode(q, k, v, tables, seq_lens, d ** -0.5)
     want = torch_ops.paged_attention_decode(q.float(), k, v, tables, seq_lens, d ** -0.5)
     check_rel(out.float(), want, 1e-5 if dtype == F32 else 1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("widen_v_first", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, num_splits: int,
+                                           make_paged, check_rel) -> None:
+    """A bf16 q on an fp8 pool: the tiles widen to fp16 for the dots, V before shared memory
+    or after (DecodeConfig.widen_v_first), whole or split context, fused merge or not."""
+    (h, kvh, d), lens = ((8, 2, 32), [1, 70, 17]) if device == "cpu" else \
+        ((32, 8, 128), [4096, 1, 1000, 2500])
+    k, v, tables = _paged(lens, kvh, d, device, make_paged)
+    q = torch.randn(len(lens), h, d, device=device).to(BF16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    want = torch_ops.paged_attention_decode(q.float(), k, v, tables, seq_lens, d ** -0.5)
+    for block_n, fused in ((16, False), (128, True)):
+        cfg = DecodeConfig(block_n=block_n, fused_merge=fused, widen_v_first=widen_v_first)
+        out = torch.full_like(q, float("nan"))
+        paged_attention_decode(q, k, v, tables, seq_lens, d ** -0.5, out=out,
+                               num_splits=num_splits, config=cfg)
+        check_rel(out.float(), want, 1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
