@@ -24,6 +24,7 @@ Usage: PYTHONPATH=. python3 bench/gpu_fp8.py --out fp8.json
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -34,7 +35,13 @@ import torch
 from triton.testing import do_bench
 
 from common.models.fp8 import quantize_weight
-from common.models.ops_triton import act_linear, linear, norm_linear
+from common.models.ops_triton import (
+    _act_linear_in_turn,
+    _norm_linear_in_turn,
+    act_linear,
+    linear,
+    norm_linear,
+)
 from kernels import fp8_linear, fused_gemv, fused_qkv, skinny_gemm, torch_ops
 from kernels.decode_attention import DecodeConfig, default_num_splits
 from kernels.skinny_gemm import SkinnyConfig
@@ -98,31 +105,39 @@ def projections(copy_tb_s: float) -> list[dict]:
 
 
 def fused_gemvs(copy_tb_s: float) -> list[dict]:
-    """Batch 1 as the layer runs it: norm + gate|up, and SiLU-and-mul + down."""
+    """As the layer runs them: norm + gate|up, and SiLU-and-mul + down; at M = 1 the fused
+    GEMVs, at M = 256 the norm / activation quantizing its own output before _scaled_mm, beside
+    the same ops in turn (norm, then linear with its own quantization launch)."""
     rows = []
     for name, (n, k) in (("norm+gate_up", PROJECTIONS["gate_up"]),
                          ("act+down", PROJECTIONS["down"])):
         w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(BF16)
         w8 = quantize_weight(w)
-        h, res = (torch.randn(1, k, device="cuda", dtype=BF16) for _ in range(2))
         g = torch.ones(k, device="cuda", dtype=BF16)
-        gate_up = torch.randn(1, 2 * k, device="cuda", dtype=BF16)
-        row = {"proj": name, "n": n, "k": k, "m": 1}
-        for label, weight, nbytes in (("bf16", w, 2 * n * k), ("fp8", w8, n * k + 4 * n)):
-            if name == "act+down":
-                def fn(weight=weight, gate_up=gate_up):
-                    return act_linear(gate_up, weight, None)
-            else:
-                def fn(weight=weight, h=h, res=res, g=g):
-                    return norm_linear(h, res, g, 1e-5, weight, None)
-            us = graphed_ms(fn) * 1e3
-            row[f"{label}_us"] = us
-            row[f"{label}_frac_copy"] = nbytes / (us * 1e-6) / (copy_tb_s * 1e12)
-        row["speedup"] = row["bf16_us"] / row["fp8_us"]
-        rows.append(row)
-        print(f"{name:>12} M=1 bf16 {row['bf16_us']:7.1f} us ({row['bf16_frac_copy']:.2f} of "
-              f"copy)  fp8 {row['fp8_us']:7.1f} us ({row['fp8_frac_copy']:.2f})  "
-              f"x{row['speedup']:.2f}", flush=True)
+        for m in (1, 256):
+            h, res = (torch.randn(m, k, device="cuda", dtype=BF16) for _ in range(2))
+            gate_up = torch.randn(m, 2 * k, device="cuda", dtype=BF16)
+            row = {"proj": name, "n": n, "k": k, "m": m}
+            variants = [("bf16", w, norm_linear, act_linear), ("fp8", w8, norm_linear, act_linear)]
+            if m > 1:
+                variants.append(("fp8_in_turn", w8, _norm_linear_in_turn, _act_linear_in_turn))
+            for label, weight, nl, al in variants:
+                if name == "act+down":
+                    def fn(weight=weight, gate_up=gate_up, al=al):
+                        return al(gate_up, weight, None)
+                else:
+                    def fn(weight=weight, h=h, res=res, nl=nl, g=g):
+                        return nl(h, res, g, 1e-5, weight, None)
+                us = graphed_ms(fn) * 1e3
+                row[f"{label}_us"] = us
+                nbytes = 2 * n * k if label == "bf16" else n * k + 4 * n
+                row[f"{label}_frac_copy"] = nbytes / (us * 1e-6) / (copy_tb_s * 1e12)
+            row["speedup"] = row["bf16_us"] / row["fp8_us"]
+            rows.append(row)
+            extra = (f"  in turn {row['fp8_in_turn_us']:7.1f} us" if m > 1 else "")
+            print(f"{name:>12} M={m:<3} bf16 {row['bf16_us']:7.1f} us ({row['bf16_frac_copy']:.2f} "
+                  f"of copy)  fp8 {row['fp8_us']:7.1f} us ({row['fp8_frac_copy']:.2f})  "
+                  f"x{row['speedup']:.2f}{extra}", flush=True)
     return rows
 
 
@@ -142,9 +157,12 @@ def decode(copy_tb_s: float) -> list[dict]:
     for batch in (32, 128, 256):
         for ctx in (1024, 4096):
             row = {"batch": batch, "ctx": ctx}
-            for label, cls in (("bf16", DecodeCase), ("fp8", Fp8DecodeCase)):
+            for label, cls in (("bf16", DecodeCase), ("fp8", Fp8DecodeCase),
+                               ("fp8_v_late", Fp8DecodeCase)):
                 case = cls(batch, ctx)
-                cfg = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), label == "fp8")
+                cfg = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), label != "bf16")
+                if label == "fp8_v_late":  # V widened after shared memory (before 2026-12-02 b)
+                    cfg = dataclasses.replace(cfg, widen_v_first=False)
                 splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
                 t = case.time(splits, cfg, eager=False)
                 row[f"{label}_us"] = t["us"]
@@ -156,7 +174,9 @@ def decode(copy_tb_s: float) -> list[dict]:
             rows.append(row)
             print(f"decode B={batch:<4} ctx={ctx:<5} bf16 {row['bf16_us']:8.1f} us "
                   f"({row['bf16_frac_copy']:.2f} of copy)  fp8 {row['fp8_us']:8.1f} us "
-                  f"({row['fp8_frac_copy']:.2f})  x{row['speedup']:.2f}", flush=True)
+                  f"({row['fp8_frac_copy']:.2f})  x{row['speedup']:.2f}  V widened late "
+                  f"{row['fp8_v_late_us']:.1f} us ({row['fp8_v_late_frac_copy']:.2f})",
+                  flush=True)
     return rows
 
 
@@ -217,21 +237,22 @@ def decode_sweep(copy_tb_s: float) -> list[dict]:
         case = Fp8DecodeCase(batch, ctx)
         base = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), fp8=True)
         timed = []
-        for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-            cfg = DecodeConfig(bn, w, st, base.waves, base.fused_merge)
+        for bn, w, st, first in [(128, 4, 3, False), *itertools.product(
+                (64, 128, 256), (4, 8), (2, 3), (True,))]:
+            cfg = DecodeConfig(bn, w, st, base.waves, base.fused_merge, first)
             splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
             try:
                 t = case.time(splits, cfg, reps=1, eager=False)
             except Exception as e:
                 print(f"decode {cfg}: {type(e).__name__}")
                 continue
-            timed.append({"batch": batch, "ctx": ctx, "config": [bn, w, st], "us": t["us"],
+            timed.append({"batch": batch, "ctx": ctx, "config": [bn, w, st, first], "us": t["us"],
                           "frac_copy": t["tb_s"] / copy_tb_s, "default": cfg == base})
         best = min(timed, key=lambda r: r["us"])
         default = next((r for r in timed if r["default"]), None)
         print(f"decode fp8 B={batch} ctx={ctx}: default "
               f"{default['frac_copy'] if default else float('nan'):.2f} of copy; best "
-              f"{best['us']:.1f} us ({best['frac_copy']:.2f}) block_n, warps, stages "
+              f"{best['us']:.1f} us ({best['frac_copy']:.2f}) block_n, warps, stages, V first "
               f"{best['config']}", flush=True)
         rows += timed
         del case
@@ -242,7 +263,8 @@ def decode_sweep(copy_tb_s: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--sweep", action="store_true", help="time launch configurations")
+    ap.add_argument("--sweep", nargs="?", const="gemv,decode", default="",
+                    help="time launch configurations instead (gemv, decode or both)")
     args = ap.parse_args()
     t0 = time.monotonic()
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -251,7 +273,8 @@ def main() -> None:
     copy_tb_s = result["copy"]["tb_s"]
     print(f"copy {copy_tb_s:.2f} TB/s; matmul bf16 {result['matmul']['bf16_tflops']:.0f}, "
           f"fp8 {result['matmul']['fp8_tflops']:.0f} TFLOP/s", flush=True)
-    parts = ((("gemv_sweep", gemv_sweep), ("decode_sweep", decode_sweep)) if args.sweep
+    sweeps = {"gemv": ("gemv_sweep", gemv_sweep), "decode": ("decode_sweep", decode_sweep)}
+    parts = ([sweeps[name] for name in args.sweep.split(",")] if args.sweep
              else (("projections", projections), ("decode", decode)))
     for name, fn in parts:
         try:

@@ -7,6 +7,7 @@
 #   tests     the GPU tests of the fp8 kernels and of the kernels that grew an fp8 path
 #   kernels   bench/gpu_fp8.py: ceilings, projections bf16 vs fp8 at M = 1/256/8192, decode
 #             attention on an fp8 pool vs bf16
+#   dsweep    bench/gpu_fp8.py --sweep decode: the fp8-pool decode kernel's launch parameters
 #   check     bench/gpu_model_check.py with --quantization fp8 (llama-3.2-1b shape): logits vs
 #             HF float32 on the same weights, next to what W8A8 quantization alone predicts
 #   checkkv   the same with --kv-cache-dtype fp8 as well (reported, not judged)
@@ -36,9 +37,12 @@ for part in $PARTS; do
     tests) timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
             tests/kernels/test_fp8_kernels.py tests/kernels/test_skinny_gemm.py \
             tests/kernels/test_fused_gemv.py tests/kernels/test_fused_qkv.py \
-            tests/kernels/test_kv_store.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
+            tests/kernels/test_kv_store.py tests/kernels/test_norm_act.py \
+            tests/kernels/test_decode_attention.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
     kernels) timeout 150 python3 bench/gpu_fp8.py --out "$OUT/fp8_kernels.json" 2>&1 \
             | tee "$OUT/fp8_kernels.log" ;;
+    dsweep) timeout 150 python3 bench/gpu_fp8.py --sweep decode --out "$OUT/fp8_dsweep.json" \
+            2>&1 | tee "$OUT/fp8_dsweep.log" ;;
     check) timeout 120 python3 bench/gpu_model_check.py --quantization fp8 \
             --out "$OUT/fp8_model_check.json" 2>&1 | grep -v Warning | tee "$OUT/fp8_check.log" ;;
     checkkv) timeout 120 python3 bench/gpu_model_check.py --quantization fp8 \
@@ -56,6 +60,7 @@ done
 echo "== summary"
 tail -n 3 "$OUT/fp8_tests.log" 2>/dev/null
 grep -E "^copy|x[0-9.]+ *$|x[0-9.]+  |decode B=" "$OUT/fp8_kernels.log" 2>/dev/null
+grep -E "^decode fp8" "$OUT/fp8_dsweep.log" 2>/dev/null
 for f in "$OUT"/fp8*_check.log; do [ -f "$f" ] && sed -n '/^model check/,$p' "$f"; done
 for f in "$OUT"/perf_*.log; do [ -f "$f" ] && echo "-- $f" && sed -n '/^ours:/,$p' "$f"; done
 tar czf "$TOP/fp8.tgz" -C "$TOP" fp8 && rm -rf "$OUT"
