@@ -227,8 +227,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length ({self.max_model_len})")
-        if params.prompt_logprobs is not None and self.ranks is not None:
-            raise InvalidRequestError("prompt_logprobs are not served at tensor-parallel size > 1")
         needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.config.cache.block_size)
         if needed > self.block_manager.num_blocks:
             raise InvalidRequestError(

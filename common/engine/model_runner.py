@@ -275,12 +275,14 @@ class ModelRunner:
             self._fill_placeholders(input_ids, torch.tensor(step.placeholder_dst, device=dev),
                                     torch.tensor(step.placeholder_src, device=dev))
         sampling = [s for s in items if s.samples]
+        prompt_rows = prompt_logprob_rows(items, step)
         if self.ranks is not None:  # they run the same forward (common.engine.parallel)
-            self.ranks.lead_step(step, input_ids, bool(sampling))
+            self.ranks.lead_step(step, input_ids, bool(sampling),
+                                 [(first, n) for _, first, n in prompt_rows])
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         if self.after_forward is not None:
             self.after_forward(items)
-        prompt_lps = self.prompt_logprobs(items, step, hidden)
+        prompt_lps = self.prompt_logprobs(items, prompt_rows, hidden)
         if not sampling:
             return PendingStep([], prompt_logprobs=prompt_lps)
         # Logit rows: each sampling sequence's last known token, then its drafts.
@@ -307,36 +309,28 @@ class ModelRunner:
                 previous: torch.Tensor | None) -> DeviceSample:
         return self.sampler.sample(logits, seqs, previous)
 
-    def prompt_logprobs(self, items: list[ScheduledSeq], step: StepInput, hidden: torch.Tensor,
-                        ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+    def prompt_logprobs(self, items: list[ScheduledSeq], rows: list[tuple[int, int, int]],
+                        hidden: torch.Tensor) -> dict[str, list[tuple[int, TokenLogprobs]]]:
         """For each sequence that asked for prompt_logprobs: the log-probability (float32
         log_softmax of the raw logits), rank and top-k of each prompt token whose logits this
-        step computes, i.e. of token p + 1 for each prompt row p but the last:
-
-            prompt:   | t0 t1 t2 t3 t4 |          this chunk computes rows p = 2, 3
-            rows:           | 2  3 |           -> logprobs of t3 (position 3) and t4 (position 4)
-
-        A host sync per step that has such a sequence; such steps run here, not in a graph."""
+        step computes (rows: prompt_logprob_rows). A host sync per step that has such a
+        sequence; such steps run here, not in a graph. At TP > 1 the other ranks compute the
+        same rows' logits in the same order (parallel.follow_step), each its vocabulary slice."""
         out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
-        for b, s in enumerate(items):
-            seq, k = s.seq, s.seq.params.prompt_logprobs
-            start = seq.num_computed_tokens
-            end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
-            if k is None or end <= start:
-                continue
-            first = step.query_start_loc[b]
-            logp = torch.log_softmax(self.model.compute_logits(
-                hidden[first:first + end - start]), dim=-1)
+        for b, first, n in rows:
+            seq, k = items[b].seq, items[b].seq.params.prompt_logprobs
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            logp = torch.log_softmax(self.model.compute_logits(hidden[first:first + n]), dim=-1)
             target = torch.tensor(seq.prompt_token_ids[start + 1:end + 1], dtype=torch.int64,
                                   device=logp.device)
             chosen = logp.gather(1, target[:, None])
             rank = (logp > chosen).sum(dim=1) + 1
             top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], target[:, None][:, :0])
-            rows = zip(target.tolist(), chosen[:, 0].tolist(), rank.tolist(), top_i.tolist(),
-                       top_v.tolist(), strict=True)
+            entries = zip(target.tolist(), chosen[:, 0].tolist(), rank.tolist(),
+                          top_i.tolist(), top_v.tolist(), strict=True)
             out[seq.request_id] = [
                 (start + 1 + j, TokenLogprobs(t, v, tuple(zip(ti, tv, strict=True)), r))
-                for j, (t, v, r, ti, tv) in enumerate(rows)]
+                for j, (t, v, r, ti, tv) in enumerate(entries)]
         return out
 
     @contextmanager
@@ -394,6 +388,25 @@ class ModelRunner:
     def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Writes kv, shaped as export_kv returns it, into the blocks."""
         scatter_blocks(self.kv_cache, block_ids, kv, use_kernel=self.device.type == "cuda")
+
+
+def prompt_logprob_rows(items: list[ScheduledSeq], step: StepInput,
+                        ) -> list[tuple[int, int, int]]:
+    """(item, first row, rows) for each sequence that asked for prompt_logprobs and whose
+    prompt tokens this step computes: row p of its chunk gives the logprob of prompt token
+    p + 1, so every prompt row but the last:
+
+        prompt:   | t0 t1 t2 t3 t4 |          this chunk computes rows p = 2, 3
+        rows:           | 2  3 |           -> logprobs of t3 (position 3) and t4 (position 4)
+    """
+    out = []
+    for b, s in enumerate(items):
+        seq = s.seq
+        start = seq.num_computed_tokens
+        end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+        if seq.params.prompt_logprobs is not None and end > start:
+            out.append((b, step.query_start_loc[b], end - start))
+    return out
 
 
 def gather_blocks(pool: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]

@@ -246,10 +246,12 @@ class RankWorkers:
             if reply != expected:
                 raise RankFailure(f"tensor parallel rank {rank} failed to start: {reply}")
 
-    def lead_step(self, step: StepInput, input_ids: torch.Tensor, logits: bool) -> None:
+    def lead_step(self, step: StepInput, input_ids: torch.Tensor, logits: bool,
+                  prompt_rows: list[tuple[int, int]] = ()) -> None:
         """Sends the step to the other ranks before rank 0's forward; logits: whether the step
-        computes logits (some sequence samples)."""
-        self._send((step, logits))
+        computes logits (some sequence samples); prompt_rows: (first row, rows) of each
+        prompt_logprobs slice rank 0 computes the logits of first, in order."""
+        self._send((step, logits, list(prompt_rows)))
         if step.placeholder_dst:
             self.group.broadcast(input_ids)
 
@@ -320,15 +322,19 @@ def rank_main(rank: int, port: int, conn: Connection, kv_conn: Connection) -> No
 
 
 @torch.inference_mode()
-def follow_step(runner, step: StepInput, logits: bool) -> None:
+def follow_step(runner, step: StepInput, logits: bool,
+                prompt_rows: list[tuple[int, int]] = ()) -> None:
     """Rank r's part of ModelRunner.run_step: the same forward on its shard (the same
-    collectives in the same order), and its slice of the logits when rank 0 samples."""
+    collectives in the same order), and its slice of the logits of each prompt_logprobs slice
+    (prompt_rows, as RankWorkers.lead_step) and, when rank 0 samples, of the sampling rows."""
     from common.engine.model_runner import step_tensors
 
     input_ids, positions, meta = step_tensors(step, runner.device)
     if step.placeholder_dst:
         runner.model.comm.broadcast(input_ids)
     hidden = runner.model(input_ids, positions, runner.kv_cache, meta, runner.backend)
+    for first, n in prompt_rows:
+        runner.model.compute_logits(hidden[first:first + n])
     if logits:
         rows = step.logit_rows
         if len(rows) < step.num_tokens:

@@ -1,6 +1,7 @@
 """prompt_logprobs on SmolLM2-135M (CPU, float32) against HF transformers' float32 log_softmax of
 the same prompt: every position's log-probability, rank and top-k, whether the prompt runs in one
-chunk or several, and though its prefix is cached (such a request computes every position)."""
+chunk or several, at tensor-parallel size 1 or 3, and though its prefix is cached (such a request
+computes every position)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,15 @@ def prompt_logprobs(engine: LLMEngine, prompt: list[int], k: int) -> list:
     return got[0]
 
 
-@pytest.mark.parametrize("batched_tokens", [2048, 8], ids=["one-chunk", "chunks-of-8"])
-def test_prompt_logprobs_match_hf(model_cache_dir, prompt, hf_logprobs, batched_tokens):
+@pytest.mark.parametrize(("batched_tokens", "tp"), [(2048, 1), (8, 1), (8, 3)],
+                         ids=["one-chunk", "chunks-of-8", "chunks-of-8-tp3"])
+def test_prompt_logprobs_match_hf(model_cache_dir, prompt, hf_logprobs, batched_tokens, tp):
+    """At TP 3 every rank computes its vocabulary slice of the same prompt rows' logits, in
+    rank 0's order (common/engine/parallel.py), one chunk per step."""
     engine = LLMEngine(build(EngineConfig, model="SmolLM2-135M-Instruct", device="cpu",
                              model_cache_dir=str(model_cache_dir), num_kv_blocks=64,
-                             block_size=16, cpu_threads=2, max_num_batched_tokens=batched_tokens))
+                             block_size=16, cpu_threads=2, max_num_batched_tokens=batched_tokens,
+                             tensor_parallel_size=tp))
     for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
         got = prompt_logprobs(engine, prompt, TOP)
         assert len(got) == len(prompt) and got[0] is None
@@ -64,6 +69,7 @@ def test_prompt_logprobs_match_hf(model_cache_dir, prompt, hf_logprobs, batched_
             assert [v for _, v in lp.top] == pytest.approx(top_v.tolist(), abs=1e-4)
     assert [lp.top for lp in prompt_logprobs(engine, prompt, 0)[1:]] == [()] * (len(prompt) - 1)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.close()
 
 
 def test_prompt_logprobs_out_of_range():
