@@ -187,6 +187,8 @@ class LLMEngine:
         # `wakeup` (set by the engine's driver, e.g. EngineLoop) is called when one is done.
         self.grammars = (GrammarCache(self.tokenizer, mc.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
+        if self.grammars is not None and config.model.grammar_warmup:
+            self.grammars.warm_up()
         self._compiling: list[Sequence] = []
         self.wakeup: Callable[[], None] | None = None
         # Overlap scheduling (see step()); speculation proposes from the real last tokens.

@@ -109,11 +109,19 @@ class GrammarCache:
             future.add_done_callback(lambda _f: on_done())
         return future
 
-    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    def warm_up(self) -> Future[xgr.GrammarCompiler]:
+        """Import xgrammar and build the compiler on the worker now, before any request needs
+        them (EngineConfig's grammar_warmup)."""
+        return self._pool.submit(self._compiler_ready)
+
+    def _compiler_ready(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
             self._compiler = _xgr().GrammarCompiler(self._make_info(), max_threads=1,
                                                  cache_enabled=False)
-        c = self._compiler
+        return self._compiler
+
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        c = self._compiler_ready()
         try:
             if spec.kind == "json":
                 return c.compile_json_schema(spec.value, any_whitespace=False)

@@ -178,6 +178,20 @@ def test_dead_end_samples_the_stop_token_and_the_grammar_rejects_it():
     assert state.accept(STOP) is False
 
 
+def test_grammar_warmup_builds_the_compiler_before_any_request(engine):
+    """--grammar-warmup (default on): the engine's cache built its compiler on the worker at
+    start-up; without it a cache builds it on its first compile."""
+    assert engine.config.model.grammar_warmup
+    compiler = engine.grammars.warm_up().result(timeout=120)
+    assert compiler is engine.grammars._compiler is not None
+    cold = GrammarCache(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    assert cold._compiler is None
+    cold.get(StructuredOutput("regex", "[0-9]+")).result(timeout=120)
+    assert cold._compiler is not None
+    cold.close()
+    assert not build(EngineConfig, grammar_warmup=False).model.grammar_warmup
+
+
 def test_compile_runs_off_the_callers_thread(engine):
     seen: list[str] = []
     done = threading.Event()
