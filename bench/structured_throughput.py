@@ -18,6 +18,9 @@ points of a document; `--mask-only` times only that and the sampler, on CPU or C
 model (a GPU box needs only torch, tokenizers, jinja2, xgrammar); on CUDA it also times a step
 whose forward is a stand-in GPU kernel of `--forward-ms`, with and without the mask, which is
 what the mask adds to a decode step when its host-side fill runs while the forward does.
+`--engine-device cuda` runs the whole comparison on a GPU (overlap scheduling and CUDA graphs, as
+a service runs; with `--model dummy:smollm2-135m --tokenizer-dir DIR` on a box without the
+weights), and each run's engine launches show whether constrained rows sample at every step.
 
     flock /tmp/splitserve-bench.lock .venv/bin/python bench/structured_throughput.py --rounds 2
 """
@@ -68,13 +71,18 @@ class Run(NamedTuple):
     wall_s: float
     cpu_s: float  # the process's CPU time (every thread's), time.process_time()
     token_ids: list[list[int]]  # each request's outputs
+    steps: int  # engine launches (with overlap scheduling a constrained row that waited for
+    #             its token would need about twice as many as an unconstrained run)
 
 
 def timed(eng: LLMEngine, ps: list[list[int]], params: list[SamplingParams]) -> Run:
+    launches = sum(eng.runner.steps.values())
     cpu, start = time.process_time(), time.perf_counter()
     outs = eng.generate(ps, params)
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
     return Run(time.perf_counter() - start, time.process_time() - cpu,
-               [o.output_token_ids for o in outs])
+               [o.output_token_ids for o in outs], sum(eng.runner.steps.values()) - launches)
 
 
 DOCUMENT = '{"title": "Dune", "tags": ["science fiction", "classic", "desert"]}'  # SCHEMAS[2]
@@ -194,6 +202,13 @@ def main() -> None:
     ap.add_argument("--forward-ms", type=float, default=6.5,
                     help="for --mask-only on CUDA: the stand-in forward's length (the batch-32 "
                          "decode step the mask is judged against)")
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct",
+                    help="the engine's model; a dummy:<shape> of SmolLM2's vocabulary (e.g. "
+                         "dummy:smollm2-135m, random weights) needs --tokenizer-dir")
+    ap.add_argument("--engine-device", default="cpu",
+                    help="the engine's device: cpu, or cuda (overlap scheduling, CUDA graphs)")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None,
+                    help="tokenizer of a dummy --model (SmolLM2's tokenizer.json and config)")
     args = ap.parse_args()
     if args.mask_only is not None:
         costs = mask_only(args.mask_only, args.device, args.forward_ms)
@@ -209,15 +224,23 @@ def main() -> None:
     from common.engine.engine import LLMEngine
     from common.flags import build
 
-    eng = LLMEngine(build(EngineConfig, num_kv_blocks=1024, max_num_seqs=args.batch,
-                          cpu_threads=args.cpu_threads, device="cpu"))
+    eng = LLMEngine(build(EngineConfig, model=args.model, num_kv_blocks=1024,
+                          max_num_seqs=args.batch, cpu_threads=args.cpu_threads,
+                          device=args.engine_device))
+    if eng.tokenizer is None:  # a dummy model: the structured outputs need a vocabulary
+        if args.tokenizer_dir is None:
+            ap.error(f"{args.model} has no tokenizer: pass --tokenizer-dir")
+        eng.tokenizer = Tokenizer.from_dir(args.tokenizer_dir)
+        eng.grammars = GrammarCache(eng.tokenizer, eng.model_config.vocab_size,
+                                    eng.tokenizer.eos_token_ids)
     ps = prompts(eng, args.requests)
     constrained = [SamplingParams(max_tokens=96, temperature=0.0, structured=StructuredOutput(
         "json", json.dumps(SCHEMAS[i % len(SCHEMAS)]))) for i in range(args.requests)]
+    launches = sum(eng.runner.steps.values())
     cpu, start = time.process_time(), time.perf_counter()
     outs = eng.generate(ps, constrained)
     cold = Run(time.perf_counter() - start, time.process_time() - cpu,
-               [o.output_token_ids for o in outs])
+               [o.output_token_ids for o in outs], sum(eng.runner.steps.values()) - launches)
     lengths = [len(t) for t in cold.token_ids]
     valid = sum(1 for o in outs if o.finish_reason == "stop" and _parses(o.text))
     free = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
@@ -236,18 +259,22 @@ def main() -> None:
     cpu_tps = {mode: tokens / min(r.cpu_s for r in rs) for mode, rs in runs.items()}
     ratio = tps["json_schema"] / tps["unconstrained"]
     cpu_ratio = cpu_tps["json_schema"] / cpu_tps["unconstrained"]
-    masks = {b: mask_cost(eng.grammars, eng.tokenizer, b) for b in (1, 32, 256)}
+    masks = {b: mask_cost(eng.grammars, eng.tokenizer, b) for b in (1, 32, 256)}  # host
 
     print(f"{args.requests} requests, batch {args.batch}, {tokens} output tokens in every run "
           f"(checked), {valid}/{args.requests} constrained outputs valid JSON (the rest reach "
           f"max_tokens 96)")
     print(f"cold constrained run (xgrammar import, compiles, first use): {cold.wall_s:.1f} s "
           f"wall, {cold.cpu_s:.1f} s CPU")
-    print("| mode (warm) | runs, wall s | runs, CPU s | best output tok/s (wall) |")
-    print("|---|---|---|---|")
+    print(f"engine: {args.model} on {eng.device} ({eng.dtype}), overlap scheduling "
+          f"{'on' if eng.overlap else 'off'}")
+    print("| mode (warm) | runs, wall s | runs, CPU s | launches per run | best output tok/s "
+          "(wall) |")
+    print("|---|---|---|---|---|")
     for mode, rs in runs.items():
-        print(f"| {mode} | {', '.join(f'{r.wall_s:.1f}' for r in rs)} | "
-              f"{', '.join(f'{r.cpu_s:.1f}' for r in rs)} | {tps[mode]:.1f} |")
+        print(f"| {mode} | {', '.join(f'{r.wall_s:.2f}' for r in rs)} | "
+              f"{', '.join(f'{r.cpu_s:.1f}' for r in rs)} | "
+              f"{', '.join(str(r.steps) for r in rs)} | {tps[mode]:.1f} |")
     print(f"constrained / unconstrained: {ratio:.3f} by wall time, {cpu_ratio:.3f} by CPU time")
     print("mask per step (fill + apply, CPU): "
           + ", ".join(f"batch {b}: {us:.0f} us" for b, us in masks.items()))
@@ -256,6 +283,9 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.cpu_threads,
+            "model": args.model, "device": str(eng.device), "overlap": eng.overlap,
+            "gpu": torch.cuda.get_device_name() if eng.device.type == "cuda" else None,
+            "launches": {m: [r.steps for r in rs] for m, rs in runs.items()},
             "load_average": os.getloadavg(), "requests": args.requests, "batch": args.batch,
             "output_tokens": tokens, "lengths": lengths, "valid": valid,
             "cold": {"wall_s": cold.wall_s, "cpu_s": cold.cpu_s},
