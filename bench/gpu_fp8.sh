@@ -51,7 +51,7 @@ for part in $PARTS; do
     perf8|perf8kv|perf16)
         flags=(); [ "$part" != perf16 ] && flags+=(--quantization fp8)
         [ "$part" = perf8kv ] && flags+=(--kv-cache-dtype fp8)
-        timeout 200 python3 bench/gpu_perf.py --skip-hf --sections T3,T4,T1 --budget 185 \
+        timeout 170 python3 bench/gpu_perf.py --skip-hf --sections T3,T4,T1 --budget 160 \
             "${flags[@]}" --out "$OUT/perf_$part.json" 2>&1 | tee "$OUT/perf_$part.log" ;;
     *) echo "unknown part $part"; false ;;
     esac

@@ -47,6 +47,9 @@ class DecodeConfig:
     waves: int = 4         # default_num_splits aims at about this many programs per multiprocessor
     fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
     widen_v_first: bool = True  # an fp8 pool under a 16-bit q: V to fp16 before shared memory
+    # ... and QK^T on the fp8 K as it is, as S^T = K q^T (fp8 wgmma: the tokens are its 64-row
+    # side; q split into e4m3 hi + lo columns, which keep about bf16's 8 significant bits)
+    qk_fp8: bool = False
 
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device,
@@ -143,6 +146,17 @@ def _merge_splits(
 
 
 @triton.jit
+def _split_e4m3(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] float32 (|x| <= 448) -> [2 * ROWS, COLS] e4m3: rows 0..ROWS-1 the
+    nearest e4m3 of x (hi), the rest the e4m3 of what hi misses (lo). hi + lo keeps about 8
+    significant bits (bf16's), so a dot on it is a bf16-precision dot on fp8 tensor cores."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    hi = x.to(tl.float8e4nv).to(tl.float32)
+    both = tl.permute(tl.join(hi, x - hi), (2, 0, 1))  # [2, ROWS, COLS]
+    return tl.reshape(both, (2 * ROWS, COLS)).to(tl.float8e4nv)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,                 # [B, H, D]
     k_ptr, v_ptr,          # [num_blocks, BLOCK_SIZE, KVH, D]
@@ -164,7 +178,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
-    WIDEN_V_FIRST: tl.constexpr = False,
+    WIDEN_V_FIRST: tl.constexpr = False, QK_FP8: tl.constexpr = False,
 ):
     # kv heads fastest: the heads of one sequence run side by side, reading the adjacent
     # 256-byte rows of the same blocks (H200, batch 256 at context 640: 1% faster than the other
@@ -187,6 +201,10 @@ def _decode_split_kernel(
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if QK_FP8:  # q^T split into e4m3 hi | lo columns: S^T = K q^T with K as it is (wgmma)
+        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1) * qk_scale / 448.0, 1e-30)
+        q8t = tl.trans(_split_e4m3(q.to(tl.float32) * (qk_scale / q_scale)[:, None], BLOCK_G,
+                                   BLOCK_D))  # [BLOCK_D, 2 * BLOCK_G]
     if F16_DOT:  # an fp8 pool: its tiles widen to fp16 directly (to bf16 through float32)
         q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -208,7 +226,11 @@ def _decode_split_kernel(
             # through ldmatrix.trans, where fp8 V went in single bytes (LDS.U8) for want of a
             # transposing 8-bit load (sm_90 SASS, triton 3.9 AOT)
             v = tl.where(kv_mask, v.to(tl.float16), 0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if QK_FP8:
+            st = tl.sum(tl.reshape(tl.dot(k, q8t), (BLOCK_N, 2, BLOCK_G)), 1)  # hi + lo
+            s = tl.trans(st) * q_scale[:, None]
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -355,6 +377,7 @@ def paged_attention_decode(
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=f16_dot, WIDEN_V_FIRST=f16_dot and config.widen_v_first,
+        QK_FP8=f16_dot and config.qk_fp8,
         FUSED_MERGE=fused, MERGE_G=next_pow2(group),
         CHUNK_S=_merge_chunk(next_pow2(group), block_d, config.num_warps, 32),
         num_warps=config.num_warps, num_stages=config.num_stages,
