@@ -245,25 +245,34 @@ def main() -> None:
     valid = sum(1 for o in outs if o.finish_reason == "stop" and _parses(o.text))
     free = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
     runs: dict[str, list[Run]] = {"unconstrained": [], "json_schema": []}
+    differ = []  # CUDA: constrained requests whose warm tokens differ from the cold run's
     for r in range(args.rounds):  # unconstrained first in even rounds, constrained in odd ones
         order = [("unconstrained", free), ("json_schema", constrained)]
         for mode, params in order[::-1] if r % 2 else order:
             run = timed(eng, ps, params)
-            if [len(t) for t in run.token_ids] != lengths:
-                raise RuntimeError(f"a {mode} run's output lengths differ from the cold run's")
             if mode == "json_schema" and run.token_ids != cold.token_ids:
-                raise RuntimeError("a warm constrained run's tokens differ from the cold run's")
+                if eng.device.type != "cuda":  # float32 on CPU: token-identical
+                    raise RuntimeError("a warm constrained run's tokens differ from the cold run's")
+                # bf16 on random weights: near-ties flip with the batch's composition, so a
+                # request may take another (valid) path of another length; each run's own
+                # token count then gives its rate.
+                differ.append(sum(a != b for a, b in zip(run.token_ids, cold.token_ids,
+                                                        strict=True)))
+            elif [len(t) for t in run.token_ids] != lengths:
+                raise RuntimeError(f"a {mode} run's output lengths differ from the cold run's")
             runs[mode].append(run)
     tokens = sum(lengths)
-    tps = {mode: tokens / min(r.wall_s for r in rs) for mode, rs in runs.items()}
-    cpu_tps = {mode: tokens / min(r.cpu_s for r in rs) for mode, rs in runs.items()}
+    tps = {mode: max(sum(map(len, r.token_ids)) / r.wall_s for r in rs)
+           for mode, rs in runs.items()}
+    cpu_tps = {mode: max(sum(map(len, r.token_ids)) / r.cpu_s for r in rs)
+               for mode, rs in runs.items()}
     ratio = tps["json_schema"] / tps["unconstrained"]
     cpu_ratio = cpu_tps["json_schema"] / cpu_tps["unconstrained"]
     masks = {b: mask_cost(eng.grammars, eng.tokenizer, b) for b in (1, 32, 256)}  # host
 
-    print(f"{args.requests} requests, batch {args.batch}, {tokens} output tokens in every run "
-          f"(checked), {valid}/{args.requests} constrained outputs valid JSON (the rest reach "
-          f"max_tokens 96)")
+    print(f"{args.requests} requests, batch {args.batch}, {tokens} output tokens in the cold run "
+          f"and in every run of the same tokens (checked), {valid}/{args.requests} constrained "
+          f"outputs valid JSON (the rest reach max_tokens 96)")
     print(f"cold constrained run (xgrammar import, compiles, first use): {cold.wall_s:.1f} s "
           f"wall, {cold.cpu_s:.1f} s CPU")
     print(f"engine: {args.model} on {eng.device} ({eng.dtype}), overlap scheduling "
@@ -275,6 +284,9 @@ def main() -> None:
         print(f"| {mode} | {', '.join(f'{r.wall_s:.2f}' for r in rs)} | "
               f"{', '.join(f'{r.cpu_s:.1f}' for r in rs)} | "
               f"{', '.join(str(r.steps) for r in rs)} | {tps[mode]:.1f} |")
+    if differ:
+        print(f"warm constrained runs whose tokens differ from the cold run's (bf16 near-ties): "
+              f"{differ} of {args.requests} requests; rates use each run's own token count")
     print(f"constrained / unconstrained: {ratio:.3f} by wall time, {cpu_ratio:.3f} by CPU time")
     print("mask per step (fill + apply, CPU): "
           + ", ".join(f"batch {b}: {us:.0f} us" for b, us in masks.items()))
@@ -292,6 +304,7 @@ def main() -> None:
             "wall_s": {m: [r.wall_s for r in rs] for m, rs in runs.items()},
             "cpu_s": {m: [r.cpu_s for r in rs] for m, rs in runs.items()},
             "tokens_per_s": tps, "ratio": ratio, "cpu_ratio": cpu_ratio,
+            "constrained_requests_differing_per_run": differ,
             "mask_us_per_step": masks}, indent=2))
 
 
