@@ -11,10 +11,13 @@
   decode      paged decode attention over an fp8 pool vs a bf16 one (block size 16, 32/8 heads
               of 128): fewest bytes (K/V of every context once at its element size, q, out) /
               time, as a fraction of the copy bandwidth (the issue's target: >= 0.85 at
-              contexts >= 1k and batch >= 32)
+              contexts >= 1k and batch >= 32); the fp8 pool with its default launch and with
+              V widened before and after shared memory (DecodeConfig.widen_v_first)
+  norm/act    at M = 1 the fused GEMVs; at M = 256 the norm / activation quantizing its own
+              output before _scaled_mm, beside the same ops in turn
 
-`--sweep` times launch configurations instead: the batch-1 GEMVs on fp8 weights (skinny o,
-norm + gate|up, act + down, fused qkv) and the decode kernel on an fp8 pool.
+`--sweep [gemv|decode]` times launch configurations instead: the batch-1 GEMVs on fp8 weights
+(skinny o, norm + gate|up, act + down, fused qkv) and the decode kernel on an fp8 pool.
 
 Times are CUDA-graph replays of back-to-back calls (bench/gpu_kernels.py's helpers; decode
 rotates its block tables over several times the L2).
@@ -158,13 +161,11 @@ def decode(copy_tb_s: float) -> list[dict]:
         for ctx in (1024, 4096):
             row = {"batch": batch, "ctx": ctx}
             for label, cls in (("bf16", DecodeCase), ("fp8", Fp8DecodeCase),
-                               ("fp8_v_late", Fp8DecodeCase), ("fp8_qk8", Fp8DecodeCase)):
+                               ("fp8_v_first", Fp8DecodeCase), ("fp8_v_late", Fp8DecodeCase)):
                 case = cls(batch, ctx)
                 cfg = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), label != "bf16")
-                if label == "fp8_v_late":  # V widened after shared memory (before 2026-12-02 b)
-                    cfg = dataclasses.replace(cfg, widen_v_first=False, qk_fp8=False)
-                elif label == "fp8_qk8":  # QK^T as an fp8 wgmma on K as it is
-                    cfg = dataclasses.replace(cfg, widen_v_first=True, qk_fp8=True)
+                if label != "fp8" and label != "bf16":  # V widened before / after shared memory
+                    cfg = dataclasses.replace(cfg, widen_v_first=label == "fp8_v_first")
                 splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
                 t = case.time(splits, cfg, eager=False)
                 row[f"{label}_us"] = t["us"]
@@ -239,26 +240,22 @@ def decode_sweep(copy_tb_s: float) -> list[dict]:
         case = Fp8DecodeCase(batch, ctx)
         base = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), fp8=True)
         timed = []
-        for bn, w, st, first, qk8 in [
-                (128, 4, 3, False, False), (64, 4, 3, True, False), (128, 4, 3, True, False),
-                (256, 8, 3, True, False), *itertools.product((64, 128, 256), (4, 8), (2, 3),
-                                                             (True,), (True,))]:
-            cfg = DecodeConfig(bn, w, st, base.waves, base.fused_merge, first, qk8)
+        for bn, w, st, first in itertools.product((64, 128), (4, 8), (2, 3), (True, False)):
+            cfg = DecodeConfig(bn, w, st, base.waves, base.fused_merge, first)
             splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
             try:
                 t = case.time(splits, cfg, reps=1, eager=False)
             except Exception as e:
                 print(f"decode {cfg}: {type(e).__name__}")
                 continue
-            timed.append({"batch": batch, "ctx": ctx, "config": [bn, w, st, first, qk8],
+            timed.append({"batch": batch, "ctx": ctx, "config": [bn, w, st, first],
                           "us": t["us"],
                           "frac_copy": t["tb_s"] / copy_tb_s, "default": cfg == base})
         best = min(timed, key=lambda r: r["us"])
         default = next((r for r in timed if r["default"]), None)
         print(f"decode fp8 B={batch} ctx={ctx}: default "
               f"{default['frac_copy'] if default else float('nan'):.2f} of copy; best "
-              f"{best['us']:.1f} us ({best['frac_copy']:.2f}) block_n, warps, stages, V first, "
-              "QK fp8 "
+              f"{best['us']:.1f} us ({best['frac_copy']:.2f}) block_n, warps, stages, V first "
               f"{best['config']}", flush=True)
         rows += timed
         del case

@@ -22,6 +22,14 @@ Context split of one sequence (tiles of BLOCK_N tokens, splits of whole tiles):
     seq_len = 3: split 0 holds 0..2 and splits 1, 2 are empty (max -inf, sum 0: weight 0).
 
 Rows whose seq_len is 0 (batch padding) come out as zeros.
+
+An fp8 pool under a 16-bit q: K and V tiles are widened to fp16 for the two dots (cp.async
+brings the fp8 tile to shared memory; K is widened in registers after ldmatrix, V before or
+after shared memory, DecodeConfig.widen_v_first). Tried and dropped (H200, 2026-12-02, bench/
+RESULTS.md "eighth session, issue 19"): QK^T on fp8 tensor cores with K as stored (S^T = K q^T
+as an fp8 wgmma, q split into e4m3 hi + lo for bf16's precision; triton gives small-M fp8 dots
+no fp8 mma.sync on sm_90): 5-17% slower than widening K, the transposition of S^T and the
+wgmma's wait each tile costing more than the conversions it saved.
 """
 
 from __future__ import annotations
@@ -47,9 +55,6 @@ class DecodeConfig:
     waves: int = 4         # default_num_splits aims at about this many programs per multiprocessor
     fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
     widen_v_first: bool = True  # an fp8 pool under a 16-bit q: V to fp16 before shared memory
-    # ... and QK^T on the fp8 K as it is, as S^T = K q^T (fp8 wgmma: the tokens are its 64-row
-    # side; q split into e4m3 hi + lo columns, which keep about bf16's 8 significant bits)
-    qk_fp8: bool = False
 
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device,
@@ -66,11 +71,15 @@ class DecodeConfig:
 
         An fp8 pool (fp8) takes 128-token tiles where a bf16 one takes 64: half the bytes a
         tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch 32-256 at 1k-4k: 0.41-0.56 of copy
-        against 0.32-0.45 with 64; 64 was slower than 32 there).
+        against 0.32-0.45 with 64; 64 was slower than 32 there). Above 2 programs a
+        multiprocessor it widens V before shared memory (widen_v_first; bench/RESULTS.md
+        "eighth session, issue 19": batch 128-256 at 1k-4k 0.57-0.66 of copy against 0.51-0.56;
+        at batch 32 the other way round, 0.41-0.55 against 0.38-0.51).
         """
         programs, sms = batch * kv_heads, _processor_count(device)
         wide = 128 if fp8 else 64
-        return cls(block_n=32 if 2 * programs <= sms else wide, fused_merge=8 * programs > sms)
+        return cls(block_n=32 if 2 * programs <= sms else wide, fused_merge=8 * programs > sms,
+                   widen_v_first=not fp8 or programs > 2 * sms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,17 +155,6 @@ def _merge_splits(
 
 
 @triton.jit
-def _split_e4m3(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """x [ROWS, COLS] float32 (|x| <= 448) -> [2 * ROWS, COLS] e4m3: rows 0..ROWS-1 the
-    nearest e4m3 of x (hi), the rest the e4m3 of what hi misses (lo). hi + lo keeps about 8
-    significant bits (bf16's), so a dot on it is a bf16-precision dot on fp8 tensor cores."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    hi = x.to(tl.float8e4nv).to(tl.float32)
-    both = tl.permute(tl.join(hi, x - hi), (2, 0, 1))  # [2, ROWS, COLS]
-    return tl.reshape(both, (2 * ROWS, COLS)).to(tl.float8e4nv)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,                 # [B, H, D]
     k_ptr, v_ptr,          # [num_blocks, BLOCK_SIZE, KVH, D]
@@ -178,7 +176,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
-    WIDEN_V_FIRST: tl.constexpr = False, QK_FP8: tl.constexpr = False,
+    WIDEN_V_FIRST: tl.constexpr = False,
 ):
     # kv heads fastest: the heads of one sequence run side by side, reading the adjacent
     # 256-byte rows of the same blocks (H200, batch 256 at context 640: 1% faster than the other
@@ -201,10 +199,6 @@ def _decode_split_kernel(
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    if QK_FP8:  # q^T split into e4m3 hi | lo columns: S^T = K q^T with K as it is (wgmma)
-        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1) * qk_scale / 448.0, 1e-30)
-        q8t = tl.trans(_split_e4m3(q.to(tl.float32) * (qk_scale / q_scale)[:, None], BLOCK_G,
-                                   BLOCK_D))  # [BLOCK_D, 2 * BLOCK_G]
     if F16_DOT:  # an fp8 pool: its tiles widen to fp16 directly (to bf16 through float32)
         q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -223,14 +217,10 @@ def _decode_split_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         if WIDEN_V_FIRST:
             # The select keeps the widening ahead of shared memory: fp16 V reaches the dot
-            # through ldmatrix.trans, where fp8 V went in single bytes (LDS.U8) for want of a
-            # transposing 8-bit load (sm_90 SASS, triton 3.9 AOT)
+            # through ldmatrix.trans, where fp8 V goes in single bytes (LDS.U8: no transposing
+            # 8-bit ldmatrix on sm_90), at the cost of an fp16 copy of V through shared memory
             v = tl.where(kv_mask, v.to(tl.float16), 0.0)
-        if QK_FP8:
-            st = tl.sum(tl.reshape(tl.dot(k, q8t), (BLOCK_N, 2, BLOCK_G)), 1)  # hi + lo
-            s = tl.trans(st) * q_scale[:, None]
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -377,7 +367,6 @@ def paged_attention_decode(
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=f16_dot, WIDEN_V_FIRST=f16_dot and config.widen_v_first,
-        QK_FP8=f16_dot and config.qk_fp8,
         FUSED_MERGE=fused, MERGE_G=next_pow2(group),
         CHUNK_S=_merge_chunk(next_pow2(group), block_d, config.num_warps, 32),
         num_warps=config.num_warps, num_stages=config.num_stages,

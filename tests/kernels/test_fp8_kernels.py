@@ -193,13 +193,12 @@ def test_decode_attention_fp8_pool(device: str, make_paged, check_rel) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("widen_v_first,qk_fp8", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("widen_v_first", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, qk_fp8: bool,
-                                           num_splits: int, make_paged, check_rel) -> None:
+def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, num_splits: int,
+                                           make_paged, check_rel) -> None:
     """A bf16 q on an fp8 pool: the tiles widen to fp16 for the dots, V before shared memory
-    or after (DecodeConfig.widen_v_first), or QK^T runs on the fp8 K with q split in two e4m3
-    halves (qk_fp8); whole or split context, fused merge or not."""
+    or after (DecodeConfig.widen_v_first), whole or split context, fused merge or not."""
     (h, kvh, d), lens = ((8, 2, 32), [1, 70, 17]) if device == "cpu" else \
         ((32, 8, 128), [4096, 1, 1000, 2500])
     k, v, tables = _paged(lens, kvh, d, device, make_paged)
@@ -207,8 +206,7 @@ def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, qk_
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     want = torch_ops.paged_attention_decode(q.float(), k, v, tables, seq_lens, d ** -0.5)
     for block_n, fused in ((16, False), (128, True)):
-        cfg = DecodeConfig(block_n=block_n, fused_merge=fused, widen_v_first=widen_v_first,
-                           qk_fp8=qk_fp8)
+        cfg = DecodeConfig(block_n=block_n, fused_merge=fused, widen_v_first=widen_v_first)
         out = torch.full_like(q, float("nan"))
         paged_attention_decode(q, k, v, tables, seq_lens, d ** -0.5, out=out,
                                num_splits=num_splits, config=cfg)
