@@ -3,10 +3,10 @@ the CPU path's decode rows, where the torch path copies each sequence's whole co
 pool in every layer of every step. The reference is kernels.torch_ops.paged_attention_decode
 (tests/kernels/test_cpu_decode_attention.py compares the two).
 
-The C++ source is compiled on first use by torch.utils.cpp_extension for this CPU
-(-march=native; the build directory is named for the CPU's flags and the torch version, so a
-build is never loaded on a CPU it was not made for) and cached on disk: about a minute the first
-time, a library load after. `available()` says whether it built and runs here.
+The C++ source is compiled on first use for this CPU (-march=native) and cached on disk
+(kernels.cpu_build: a build directory named for the CPU's flags and the torch version, safe
+against a process killed mid-build): about a minute the first time, a library load after.
+`available()` says whether it built and runs here.
 
 SmolLM2-135M, batch 32 at 450-token contexts, 2 cores (AVX-512), 30 layers (bench/
 cpu_decode_step.py): float32 49.5 ms a step against the gathered path's 371 ms, bfloat16 44.5
@@ -16,27 +16,20 @@ against 68.6; the whole step 134.6 against 461.6 ms (fp32), 98.7 against 138.9 (
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import cpu_tag, load
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+_cpu_tag = cpu_tag  # the name kernels.cpu_layer_ops imported before kernels.cpu_build existed
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (32, 64, 96, 128, 256)
-
-
-def _cpu_tag() -> str:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1(f"{flags} {torch.__version__}".encode()).hexdigest()[:10]
 
 
 @functools.cache
@@ -44,11 +37,8 @@ def available() -> bool:
     """The kernel is built (now, if it was not) and gives the reference's result here."""
     if os.name != "posix" or not SOURCE.is_file():
         return False
-    from torch.utils import cpp_extension
     try:
-        cpp_extension.load(name=f"splitserve_cpu_attention_{_cpu_tag()}", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load(f"splitserve_cpu_attention_{cpu_tag()}", SOURCE, ["-O3", "-march=native", "-fopenmp"])
         return _self_check()
     except (OSError, RuntimeError, ImportError, AssertionError) as e:
         log.warning("the CPU decode attention kernel is not available (%s): decodes gather "
