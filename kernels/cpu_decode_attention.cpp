@@ -97,17 +97,21 @@ inline vfloat sum16(const vfloat* a) {
 }
 
 // One sequence's query heads h * group .. (h + 1) * group - 1 against KV head h of its context;
-// NV = head_dim / LANES. scores: room for round_up(len, LANES) floats. Head by head, so that its
-// query (and then its output) stays in registers; the context's later passes hit the cache.
+// NV = head_dim / LANES. scores: room for round_up(len, LANES) floats; rows: room for as many
+// offsets. The context's rows are located once (offsets into either cache, no division per
+// position), then head by head, so that its query (and then its output) stays in registers;
+// the context's later passes hit the cache.
 template <typename T, int NV>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
             int64_t bs, int64_t slot_stride, int64_t h, int64_t group, float scale, T* out,
-            float* scores) {
+            float* scores, int64_t* rows) {
   constexpr int64_t D = NV * LANES;
   const int64_t block_stride = bs * slot_stride, width = (len + LANES - 1) / LANES * LANES;
-  auto row = [&](const T* cache, int64_t p) {
-    return cache + table[p / bs] * block_stride + (p % bs) * slot_stride + h * D;
-  };
+  for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    const int64_t base = table[p0 / bs] * block_stride + h * D, n = std::min(bs, len - p0);
+    for (int64_t i = 0; i < n; ++i) rows[p0 + i] = base + i * slot_stride;
+  }
+  for (int64_t p = len; p < width; ++p) rows[p] = rows[len - 1];  // scored, then dropped
   for (int64_t g = 0; g < group; ++g) {
     const T* qg = q + (h * group + g) * D;
     vfloat qv[NV];
@@ -115,7 +119,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table
     for (int64_t p0 = 0; p0 < len; p0 += LANES) {
       vfloat s[LANES];
       for (int64_t l = 0; l < LANES; ++l) {
-        const T* k = row(k_cache, std::min(p0 + l, len - 1));  // past the end: scored, dropped
+        const T* k = k_cache + rows[p0 + l];
         s[l] = qv[0] * load(k);
         for (int j = 1; j < NV; ++j) s[l] += qv[j] * load(k + j * LANES);
       }
@@ -131,13 +135,23 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table
       total += e;
     }
     const float inv = 1.0f / hsum(total);
-    vfloat acc[NV] = {};
-    for (int64_t p = 0; p < len; ++p) {
-      const T* v = row(v_cache, p);
-      const float w = scores[p];
-      for (int j = 0; j < NV; ++j) acc[j] += w * load(v + j * LANES);
+    vfloat acc[NV] = {}, acc2[NV] = {};  // two positions at a time: two chains of adds
+    int64_t p = 0;
+    for (; p + 1 < len; p += 2) {
+      const T* v = v_cache + rows[p];
+      const T* v2 = v_cache + rows[p + 1];
+      const float w = scores[p], w2 = scores[p + 1];
+      for (int j = 0; j < NV; ++j) {
+        acc[j] += w * load(v + j * LANES);
+        acc2[j] += w2 * load(v2 + j * LANES);
+      }
     }
-    for (int j = 0; j < NV; ++j) store(out + (h * group + g) * D + j * LANES, acc[j] * inv);
+    if (p < len) {
+      const T* v = v_cache + rows[p];
+      for (int j = 0; j < NV; ++j) acc[j] += scores[p] * load(v + j * LANES);
+    }
+    for (int j = 0; j < NV; ++j)
+      store(out + (h * group + g) * D + j * LANES, (acc[j] + acc2[j]) * inv);
   }
 }
 
@@ -159,12 +173,14 @@ void decode(const at::Tensor& q,             // [n, heads, d]
   T* op = out.data_ptr<T>();
   const int64_t max_len = n ? *std::max_element(lens, lens + n) : 0;
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores((max_len + LANES - 1) / LANES * LANES);
+    const int64_t width = (max_len + LANES - 1) / LANES * LANES;
+    std::vector<float> scores(width);
+    std::vector<int64_t> rows(width);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kvh, h = task % kvh;
       attend<T, NV>(qp + b * q.stride(0), kp, vp, tables + b * table_stride, lens[b], bs,
                     slot_stride, h, group, static_cast<float>(scale), op + b * out.stride(0),
-                    scores.data());
+                    scores.data(), rows.data());
     }
   });
 }
