@@ -1,0 +1,325 @@
+// A decoder layer's element-wise ops on the CPU, each one pass over its rows: the residual add
+// with the RMS norm, silu(gate) * up, and rotary on q and k with the K/V store into the paged
+// pool. Built and called by kernels/cpu_layer_ops.py, whose references are kernels.torch_ops'
+// rms_norm, silu_and_mul, apply_rotary and store_kv (the same roundings: float32 math, the
+// result rounded once to the tensors' dtype where the reference rounds it).
+//
+// Rows are split among threads only where there are many of them (a prefill's), so that a
+// decode step's few rows take no OpenMP region (on a busy box a region waits for a thread that
+// is not running).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+// Rows per task: a task is about this many elements.
+constexpr int64_t GRAIN_ELEMENTS = 1 << 16;
+
+int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, row_elements));
+}
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// 16 float lanes (GCC's vector extension), and exp over them: the Cephes expf of
+// cpu_decode_attention.cpp, its input clamped to [-87, 88] (silu's exp(-x) then saturates
+// to ~1e38 instead of inf, and x / (1 + that) is ~x * 1e-38 instead of -0).
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+constexpr int64_t LANES = 16;
+
+inline vfloat vexp(vfloat x) {
+  const vfloat lo = vfloat{} - 87.0f, hi = vfloat{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vfloat n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x < 0 ? -0.5f : 0.5f), vint), vfloat);
+  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vint scale = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat>(scale);
+}
+
+template <typename T>
+inline vfloat loadv(const T* p) {
+  vfloat v;
+  for (int l = 0; l < LANES; ++l) v[l] = to_f(p[l]);
+  return v;
+}
+
+// (x [T, H] (+ residual [T, H])) -> normed [T, H], new residual [T, H]; as torch_ops.rms_norm.
+template <typename T, typename W>
+void add_rms_norm(const T* x, const T* res, const W* w, float eps, T* normed, T* new_res,
+                  int64_t rows, int64_t h, int64_t x_stride, int64_t res_stride) {
+  at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* sr = new_res + r * h;
+      vfloat acc{};
+      int64_t i = 0;
+      for (; i < h; ++i) {  // the add in T, as the reference's x + residual
+        sr[i] = res ? static_cast<T>(to_f(xr[i]) + to_f(res[r * res_stride + i])) : xr[i];
+      }
+      for (i = 0; i + LANES <= h; i += LANES) {
+        const vfloat f = loadv(sr + i);
+        acc += f * f;
+      }
+      float ss = 0.f;
+      for (int l = 0; l < LANES; ++l) ss += acc[l];
+      for (; i < h; ++i) ss += to_f(sr[i]) * to_f(sr[i]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+      T* nr = normed + r * h;
+      for (int64_t i = 0; i < h; ++i) {
+        const float n = to_f(sr[i]) * inv;
+        if constexpr (std::is_same_v<T, W>) {
+          nr[i] = static_cast<T>(to_f(static_cast<T>(n)) * to_f(w[i]));  // rounded, then * w
+        } else {
+          nr[i] = static_cast<T>(to_f(w[i]) * n);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
+                                            const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
+              weight.size(0) == x.size(1), "x [T, H] rows dense, weight [H]");
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
+                residual->scalar_type() == x.scalar_type(), "residual like x");
+  const int64_t rows = x.size(0), h = x.size(1);
+  at::Tensor normed = at::empty({rows, h}, x.options());
+  at::Tensor new_res = at::empty({rows, h}, x.options());
+  const float e = static_cast<float>(eps);
+  auto run = [&](auto tag_t, auto tag_w) {
+    using T = decltype(tag_t);
+    using W = decltype(tag_w);
+    add_rms_norm<T, W>(x.const_data_ptr<T>(), has_res ? residual->const_data_ptr<T>() : nullptr,
+                       weight.const_data_ptr<W>(), e, normed.data_ptr<T>(), new_res.data_ptr<T>(),
+                       rows, h, x.stride(0), has_res ? residual->stride(0) : 0);
+  };
+  const auto xt = x.scalar_type(), wt = weight.scalar_type();
+  if (xt == at::kFloat && wt == at::kFloat) run(float{}, float{});
+  else if (xt == at::kBFloat16 && wt == at::kBFloat16) run(c10::BFloat16{}, c10::BFloat16{});
+  else if (xt == at::kBFloat16 && wt == at::kFloat) run(c10::BFloat16{}, float{});
+  else TORCH_CHECK(false, "rms_norm: float32 or bfloat16");
+  return {normed, new_res};
+}
+
+// gate_up [T, 2n] -> silu(gate) * up [T, n]; silu rounded to T first, as the reference.
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t x_stride) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * x_stride;
+      const T* u = g + n;
+      T* o = out + r * n;
+      int64_t i = 0;
+      for (; i + LANES <= n; i += LANES) {
+        const vfloat a = loadv(g + i), e = vexp(-a), b = loadv(u + i);
+        for (int l = 0; l < LANES; ++l)
+          o[i + l] = static_cast<T>(to_f(static_cast<T>(a[l] / (1.0f + e[l]))) * b[l]);
+      }
+      for (; i < n; ++i) {
+        const float a = to_f(g[i]);
+        const T s = static_cast<T>(a / (1.0f + std::exp(-a)));
+        o[i] = static_cast<T>(to_f(s) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x [T, 2n] rows dense");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    silu_mul_rows<float>(x.const_data_ptr<float>(), out.data_ptr<float>(), rows, n, x.stride(0));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    silu_mul_rows<c10::BFloat16>(x.const_data_ptr<c10::BFloat16>(),
+                                 out.data_ptr<c10::BFloat16>(), rows, n, x.stride(0));
+  } else {
+    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16");
+  }
+  return out;
+}
+
+// Neox rotary of one head's d values (x1 = first half, x2 = second), written to dst:
+// x1 cos - x2 sin | x2 cos + x1 sin, each product rounded before the sum as the reference's.
+template <typename T>
+inline void rotate(const T* src, T* dst, const float* cs, int64_t half) {
+  const float* cos = cs;
+  const float* sin = cs + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(src[i]), x2 = to_f(src[i + half]);
+    const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], e = x1 * sin[i];
+    dst[i] = static_cast<T>(a - b);
+    dst[i + half] = static_cast<T>(c + e);
+  }
+}
+
+// qkv [T, (heads + 2 kv_heads) d] -> rotated q [T, heads, d]; rotated k and v into the caches
+// [num_blocks, block_size, kv_heads, d] at slot_mapping (negative: not stored).
+template <typename T>
+void rotary_store_rows(const T* qkv, int64_t qkv_stride, const int64_t* positions,
+                       const float* cos_sin, int64_t cs_stride, T* k_cache, T* v_cache,
+                       const int64_t* slots, T* q_out, int64_t rows, int64_t heads, int64_t kvh,
+                       int64_t d) {
+  const int64_t half = d / 2, slot_elems = kvh * d;
+  at::parallel_for(0, rows, grain((heads + 2 * kvh) * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* q = qkv + r * qkv_stride;
+      const T* k = q + heads * d;
+      const T* v = k + kvh * d;
+      const float* cs = cos_sin + positions[r] * cs_stride;
+      for (int64_t hd = 0; hd < heads; ++hd)
+        rotate(q + hd * d, q_out + (r * heads + hd) * d, cs, half);
+      const int64_t slot = slots[r];
+      if (slot < 0) continue;
+      T* kd = k_cache + slot * slot_elems;
+      for (int64_t hd = 0; hd < kvh; ++hd) rotate(k + hd * d, kd + hd * d, cs, half);
+      T* vd = v_cache + slot * slot_elems;
+      for (int64_t i = 0; i < slot_elems; ++i) vd[i] = v[i];
+    }
+  });
+}
+
+at::Tensor rotary_store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                        const at::Tensor& positions, const at::Tensor& cos_sin,
+                        at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4, "caches [num_blocks, block_size, kv_heads, d]");
+  const int64_t d = k_cache.size(3), rows = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * d &&
+              k_cache.size(2) == kv_heads && d % 2 == 0, "qkv [T, (heads + 2 kv_heads) d]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "contiguous caches of one shape");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "caches in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+              slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              positions.size(0) == rows && slot_mapping.size(0) == rows, "int64 [T] indices");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.stride(1) == 1 &&
+              cos_sin.size(1) == d, "cos_sin [max_pos, d] float32");
+  at::Tensor q = at::empty({rows, heads, d}, qkv.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    rotary_store_rows<T>(qkv.const_data_ptr<T>(), qkv.stride(0),
+                         positions.const_data_ptr<int64_t>(), cos_sin.const_data_ptr<float>(),
+                         cos_sin.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                         slot_mapping.const_data_ptr<int64_t>(), q.data_ptr<T>(), rows, heads,
+                         kv_heads, d);
+  };
+  if (qkv.scalar_type() == at::kFloat) run(float{});
+  else if (qkv.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
+  else TORCH_CHECK(false, "rotary_store: float32 or bfloat16");
+  return q;
+}
+
+// x [M, K] bf16 @ w [N, K] bf16 -> [M, N] float32, the products summed in float32 (AVX-512
+// BF16's dot of bf16 pairs: exact products, as the float32 GEMM of the widened operands but for
+// the order of the sum). For a bf16 model's logits at a few rows, where the step reads the
+// whole table: half the bytes of its float32 copy. Rows of x at most MAX_ROWS; K a multiple of
+// 32.
+constexpr int64_t MAX_ROWS = 8;
+
+#ifdef __AVX512BF16__
+template <int M>
+void bf16_dot_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w,
+                   int64_t n_rows, int64_t k, float* out, int64_t out_stride) {
+  at::parallel_for(0, n_rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const c10::BFloat16* wn = w + n * k;
+      __m512 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + i);
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + i),
+                                    wv);
+      }
+      for (int m = 0; m < M; ++m) out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m]);
+    }
+  });
+}
+#endif
+
+at::Tensor bf16_linear_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.stride(1) == 1 &&
+              w.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
+              w.scalar_type() == at::kBFloat16, "x [M, K], w [N, K] bf16");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(m <= MAX_ROWS && k % 32 == 0, "at most 8 rows, K a multiple of 32");
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+#ifdef __AVX512BF16__
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  const auto* wp = w.const_data_ptr<c10::BFloat16>();
+  float* op = out.data_ptr<float>();
+  switch (m) {
+    case 0: break;
+    case 1: bf16_dot_rows<1>(xp, x.stride(0), wp, n, k, op, n); break;
+    case 2: bf16_dot_rows<2>(xp, x.stride(0), wp, n, k, op, n); break;
+    case 3: bf16_dot_rows<3>(xp, x.stride(0), wp, n, k, op, n); break;
+    case 4: bf16_dot_rows<4>(xp, x.stride(0), wp, n, k, op, n); break;
+    default:
+      for (int64_t r = 0; r < m; r += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r);
+        const auto* xr = xp + r * x.stride(0);
+        float* orow = op + r * n;
+        if (rows == 4) bf16_dot_rows<4>(xr, x.stride(0), wp, n, k, orow, n);
+        else if (rows == 3) bf16_dot_rows<3>(xr, x.stride(0), wp, n, k, orow, n);
+        else if (rows == 2) bf16_dot_rows<2>(xr, x.stride(0), wp, n, k, orow, n);
+        else bf16_dot_rows<1>(xr, x.stride(0), wp, n, k, orow, n);
+      }
+  }
+#else
+  TORCH_CHECK(false, "bf16_linear_f32: built without AVX-512 BF16");
+#endif
+  return out;
+}
+
+bool has_bf16_dot() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu_layer, m) {
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("bf16_linear_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("has_bf16_dot() -> bool", has_bf16_dot);
+  m.def("rotary_store(Tensor qkv, int heads, int kv_heads, Tensor positions, Tensor cos_sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu_layer, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("bf16_linear_f32", bf16_linear_f32);
+  m.impl("rotary_store", rotary_store);
+}

@@ -1,0 +1,99 @@
+"""kernels.cpu_layer_ops against their references in kernels.torch_ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_layer_ops, torch_ops
+
+pytestmark = pytest.mark.skipif(not cpu_layer_ops.available(),
+                                reason="the CPU layer ops do not build here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, rows: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576 + 9, generator=g).to(dtype)[:, :576]  # rows strided
+    res = torch.randn(rows, 576, generator=g).to(dtype) if with_residual else None
+    w = torch.randn(576, generator=g).to(dtype)
+    out, new_res = cpu_layer_ops.rms_norm(x, w, 1e-5, res)
+    ref, ref_res = torch_ops.rms_norm(x, w, 1e-5, res)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    assert torch.equal(new_res, ref_res)
+
+
+def test_rms_norm_float32_weight_of_bf16_rows() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    w = torch.randn(64, generator=g)
+    out, _ = cpu_layer_ops.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(out, torch_ops.rms_norm(x, w, 1e-6)[0], **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 1544, generator=g) * 6).to(dtype)  # a tail past 16 lanes
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])
+    torch.testing.assert_close(cpu_layer_ops.silu_and_mul(x), torch_ops.silu_and_mul(x),
+                               **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    heads, kvh, d, bs, nb, t = 9, 3, 64, 4, 12, 10
+    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=g).to(dtype)
+    positions = torch.randint(0, 100, (t,), generator=g)
+    cos_sin = torch.randn(128, d, generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[3] = -1  # padding: not stored
+    k_cache, v_cache = (torch.zeros(nb, bs, kvh, d, dtype=dtype) for _ in range(2))
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    q = cpu_layer_ops.rotary_store(qkv, heads, kvh, positions, cos_sin, k_cache, v_cache, slots)
+    rq, rk, rv = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    ref_q, ref_rk = torch_ops.apply_rotary(rq.view(t, heads, d), rk.view(t, kvh, d), positions,
+                                           cos_sin)
+    torch_ops.store_kv(ref_rk, rv.view(t, kvh, d), ref_k, ref_v, slots)
+    assert torch.equal(q, ref_q)
+    assert torch.equal(k_cache, ref_k)
+    assert torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.skipif(not cpu_layer_ops.bf16_dot_available(), reason="no AVX-512 BF16 here")
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+def test_bf16_linear_f32(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    w = torch.randn(1000, 96, generator=g).bfloat16()
+    out = cpu_layer_ops.bf16_linear_f32(x, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x.float(), w.float()), atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_logits_through_onednn_linear() -> None:
+    """OneDnnLinear takes a bf16 weight packed in float32 (a bf16 model's logits) through the
+    kernel at a few rows, and through the float32 copy above them: float32 either way."""
+    from common.models.ops_onednn import OneDnnLinear, onednn_bf16_available
+    if not (onednn_bf16_available() and cpu_layer_ops.bf16_dot_available()):
+        pytest.skip("no bf16 oneDNN or kernel here")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(500, 64, generator=g).bfloat16()
+    linear = OneDnnLinear()
+    linear.pack(w, torch.float32)
+    for rows in (2, 20):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        out = linear(x, w)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, F.linear(x.float(), w.float()), atol=1e-4, rtol=1e-5)
