@@ -42,6 +42,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
+from common.engine.omp_env import VARIABLE, restart_with_spin_count, wanted_env
 from common.flags import build, leaf
 from common.models.loader import resolve_model
 from common.models.ops_onednn import resolve_cpu_linear
@@ -107,8 +108,9 @@ def run_vllm(model_dir: str, workload_file: Path, dtype: str, reps: int) -> dict
         out = Path(tmp) / "vllm.json"
         log = Path(tmp) / "vllm.log"
         with log.open("w") as f:
+            env = {k: v for k, v in os.environ.items() if k != VARIABLE}  # vLLM's own settings
             proc = subprocess.Popen(["bash", str(PEER), model_dir, str(workload_file), dtype,
-                                     str(out), "--reps", str(reps)], stdout=f, stderr=f)
+                                     str(out), "--reps", str(reps)], stdout=f, stderr=f, env=env)
             peak = _peak_tree_rss(proc)
         if proc.returncode != 0 or not out.exists():
             return {"error": log.read_text()[-2000:]}
@@ -165,8 +167,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     cpu_linear = leaf(EngineConfig, "cpu_linear")
     ap.add_argument("--cpu-linear", default=cpu_linear.default, help=cpu_linear.help)
+    spin = leaf(EngineConfig, "cpu_omp_spin_count")
+    ap.add_argument("--cpu-omp-spin-count", type=int, default=spin.default, help=spin.help)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
+    restart_with_spin_count(args.cpu_omp_spin_count)  # torch is loaded: the variable needs a start
 
     load_before = os.getloadavg()
     results: list[dict] = []
@@ -186,6 +191,7 @@ def main() -> None:
                         "max_num_seqs": engine.config.scheduler.max_num_seqs,
                         "block_size": engine.config.cache.block_size,
                         "cpu_linear": resolve_cpu_linear(args.cpu_linear),
+                        "omp_env": wanted_env(args.cpu_omp_spin_count),
                         "threads": torch.get_num_threads()}
             for w in workloads:
                 ours, first8 = run_ours(engine, w, args.reps)

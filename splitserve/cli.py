@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             _module(name).add_arguments(p)
     args = parser.parse_args(argv)
+    if hasattr(args, "cpu_omp_spin_count"):  # before the command's run imports torch
+        from common.engine.omp_env import set_spin_count
+        set_spin_count(args.cpu_omp_spin_count)
     return int(_module(args.command).run(args) or 0)
 
 

@@ -56,6 +56,11 @@ class ModelSettings:
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
     cpu_threads: int = opt(0, "torch threads on CPU (0: one per core); give each service its "
                            "share when several run on one machine")
+    cpu_omp_spin_count: int = opt(
+        1000, "CPU: how long (GOMP_SPINCOUNT) torch's OpenMP threads spin for the next op "
+        "before they sleep; set when the process starts, before torch loads (the splitserve "
+        "command does). libgomp's 300000 spins through other processes' time slices on a busy "
+        "box, where a decode step took 0.4-1.6 s instead of 0.2; -1: libgomp's default")
     cpu_linear: str = opt("auto", "CPU matmuls of the projections: onednn (weights packed once "
                           "for oneDNN, bf16 too where the CPU has bf16 kernels; the packed "
                           "copies are held beside the weights), torch (F.linear), or auto "
