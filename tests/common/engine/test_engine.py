@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,10 +70,14 @@ def prompts(engine_factory):
 
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2_dir, prompts):
+    return hf_greedy_outputs(smollm2_dir, prompts, NEW_TOKENS)
+
+
+def hf_greedy_outputs(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """HF's greedy outputs, generated in batches of prompts of similar length (left-padded,
     masked): a fourth of the time of one prompt at a time, the same float32 model."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos = set(eos) if isinstance(eos, list) else {eos}
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -85,7 +90,7 @@ def hf_greedy(smollm2_dir, prompts):
             for row, i in enumerate(group):
                 x[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
                 mask[row, width - len(prompts[i]):] = 1
-            y = model.generate(x, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+            y = model.generate(x, attention_mask=mask, max_new_tokens=new_tokens,
                                do_sample=False, pad_token_id=0)
             for row, i in enumerate(group):   # a row that ended early is padded after its EOS
                 out = y[row, width:].tolist()

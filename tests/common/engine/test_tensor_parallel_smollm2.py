@@ -5,13 +5,12 @@ CPU ranks: the engine-equivalence prompts of test_engine.py give HF transformers
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
 from common.flags import build
-from tests.common.engine.test_engine import HF_BATCH, build_prompts
+from tests.common.engine.test_engine import build_prompts, hf_greedy_outputs
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
@@ -38,28 +37,7 @@ def prompts(tp1) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2_dir, prompts) -> list[list[int]]:
-    """HF's greedy outputs, in left-padded batches of similar lengths (as test_engine.py)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, list) else {eos}
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    outs: dict[int, list[int]] = {}
-    with torch.inference_mode():
-        for group in (order[i:i + HF_BATCH] for i in range(0, len(order), HF_BATCH)):
-            width = max(len(prompts[i]) for i in group)
-            x = torch.zeros(len(group), width, dtype=torch.long)
-            mask = torch.zeros_like(x)
-            for row, i in enumerate(group):
-                x[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]):] = 1
-            y = model.generate(x, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                               do_sample=False, pad_token_id=0)
-            for row, i in enumerate(group):
-                out = y[row, width:].tolist()
-                end = next((j + 1 for j, t in enumerate(out) if t in eos), len(out))
-                outs[i] = out[:end]
-    return [outs[i] for i in range(len(prompts))]
+    return hf_greedy_outputs(smollm2_dir, prompts, NEW_TOKENS)
 
 
 def test_tp3_matches_tp1_and_hf(model_cache_dir, tp1, prompts, hf_greedy):
