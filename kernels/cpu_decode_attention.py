@@ -27,7 +27,6 @@ from kernels.cpu_build import cpu_tag, load
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-_cpu_tag = cpu_tag  # the name kernels.cpu_layer_ops imported before kernels.cpu_build existed
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (32, 64, 96, 128, 256)
 

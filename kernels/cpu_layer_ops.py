@@ -5,9 +5,8 @@ temporary; here a decode step's rows take one thread and no region. The referenc
 kernels.torch_ops.rms_norm, silu_and_mul, apply_rotary and store_kv
 (tests/kernels/test_cpu_layer_ops.py compares them).
 
-Built like kernels.cpu_decode_attention (cpp_extension, -march=native, a build directory named
-for the CPU's flags and torch's version; compiled without FMA contraction, so that rotary rounds
-each product as the reference does). `available()` says whether it built and runs here.
+Built like kernels.cpu_decode_attention (kernels.cpu_build, -march=native; compiled without FMA
+contraction, so that rotary rounds each product as the reference does). `available()` says whether it built and runs here.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kernels import torch_ops
-from kernels.cpu_decode_attention import _cpu_tag
+from kernels.cpu_build import cpu_tag, load
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +32,9 @@ def available() -> bool:
     """The ops are built (now, if they were not) and give the references' results here."""
     if os.name != "posix" or not SOURCE.is_file():
         return False
-    from torch.utils import cpp_extension
     try:
-        cpp_extension.load(name=f"splitserve_cpu_layer_{_cpu_tag()}", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load(f"splitserve_cpu_layer_{cpu_tag()}", SOURCE,
+             ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
         return _self_check()
     except (OSError, RuntimeError, ImportError, AssertionError) as e:
         log.warning("the CPU layer ops are not available (%s): the torch ops run instead",
