@@ -236,64 +236,75 @@ at::Tensor rotary_store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
   return q;
 }
 
-// x [M, K] bf16 @ w [N, K] bf16 -> [M, N] float32, the products summed in float32 (AVX-512
-// BF16's dot of bf16 pairs: exact products, as the float32 GEMM of the widened operands but for
-// the order of the sum). For a bf16 model's logits at a few rows, where the step reads the
-// whole table: half the bytes of its float32 copy. Rows of x at most MAX_ROWS; K a multiple of
-// 32.
+// x [M, K] @ w [N, K] -> [M, N], float32 or bf16 operands (one dtype), the products summed in
+// float32 and the sum rounded once to the output's dtype (float32, or the operands'). bf16 by
+// AVX-512 BF16's dot of pairs (exact products), float32 by FMAs: as oneDNN's GEMM but for the
+// order of the sum. For a decode step's few rows, which read every weight once: oneDNN's GEMM
+// on weights packed for 64 rows streamed SmolLM2's projections at 4-6 GB/s at 1-8 rows, this
+// at 12-33 GB/s. Rows of x at most MAX_ROWS; K a multiple of 32.
 constexpr int64_t MAX_ROWS = 8;
 
+inline __m512 dot_step(__m512 acc, const float* x, const float* w) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
+}
+
 #ifdef __AVX512BF16__
-template <int M>
-void bf16_dot_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w,
-                   int64_t n_rows, int64_t k, float* out, int64_t out_stride) {
-  at::parallel_for(0, n_rows, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const c10::BFloat16* wn = w + n * k;
-      __m512 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < k; i += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + i);
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + i),
-                                    wv);
-      }
-      for (int m = 0; m < M; ++m) out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m]);
-    }
-  });
+inline __m512 dot_step(__m512 acc, const c10::BFloat16* x, const c10::BFloat16* w) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_loadu_si512(w));
 }
 #endif
 
-at::Tensor bf16_linear_f32(const at::Tensor& x, const at::Tensor& w) {
+template <typename T>
+constexpr int64_t kStep = 64 / sizeof(T);  // elements of K per step: 16 floats, 32 bf16
+
+template <int M, typename T, typename O>
+void dot_rows(const T* x, int64_t x_stride, const T* w, int64_t n_rows, int64_t k, O* out,
+              int64_t out_stride) {
+  at::parallel_for(0, n_rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const T* wn = w + n * k;
+      __m512 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += kStep<T>)
+        for (int m = 0; m < M; ++m) acc[m] = dot_step(acc[m], x + m * x_stride + i, wn + i);
+      for (int m = 0; m < M; ++m) out[m * out_stride + n] = static_cast<O>(_mm512_reduce_add_ps(acc[m]));
+    }
+  });
+}
+
+template <typename T, typename O>
+void dot_all(const T* x, int64_t x_stride, const T* w, int64_t m, int64_t n, int64_t k, O* out) {
+  for (int64_t r = 0; r < m; r += 4) {  // four rows a pass: the weights are read once per pass
+    const int64_t rows = std::min<int64_t>(4, m - r);
+    const T* xr = x + r * x_stride;
+    O* o = out + r * n;
+    if (rows == 4) dot_rows<4>(xr, x_stride, w, n, k, o, n);
+    else if (rows == 3) dot_rows<3>(xr, x_stride, w, n, k, o, n);
+    else if (rows == 2) dot_rows<2>(xr, x_stride, w, n, k, o, n);
+    else dot_rows<1>(xr, x_stride, w, n, k, o, n);
+  }
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, bool float32_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.stride(1) == 1 &&
-              w.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
-              w.scalar_type() == at::kBFloat16, "x [M, K], w [N, K] bf16");
+              w.is_contiguous() && x.scalar_type() == w.scalar_type(), "x [M, K], w [N, K]");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(m <= MAX_ROWS && k % 32 == 0, "at most 8 rows, K a multiple of 32");
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const auto out_type = float32_out ? at::kFloat : x.scalar_type();
+  at::Tensor out = at::empty({m, n}, x.options().dtype(out_type));
+  if (x.scalar_type() == at::kFloat) {
+    dot_all(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<float>(), m, n, k,
+            out.data_ptr<float>());
+    return out;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "small_linear: float32 or bfloat16");
 #ifdef __AVX512BF16__
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
-  float* op = out.data_ptr<float>();
-  switch (m) {
-    case 0: break;
-    case 1: bf16_dot_rows<1>(xp, x.stride(0), wp, n, k, op, n); break;
-    case 2: bf16_dot_rows<2>(xp, x.stride(0), wp, n, k, op, n); break;
-    case 3: bf16_dot_rows<3>(xp, x.stride(0), wp, n, k, op, n); break;
-    case 4: bf16_dot_rows<4>(xp, x.stride(0), wp, n, k, op, n); break;
-    default:
-      for (int64_t r = 0; r < m; r += 4) {
-        const int64_t rows = std::min<int64_t>(4, m - r);
-        const auto* xr = xp + r * x.stride(0);
-        float* orow = op + r * n;
-        if (rows == 4) bf16_dot_rows<4>(xr, x.stride(0), wp, n, k, orow, n);
-        else if (rows == 3) bf16_dot_rows<3>(xr, x.stride(0), wp, n, k, orow, n);
-        else if (rows == 2) bf16_dot_rows<2>(xr, x.stride(0), wp, n, k, orow, n);
-        else bf16_dot_rows<1>(xr, x.stride(0), wp, n, k, orow, n);
-      }
-  }
+  if (float32_out) dot_all(xp, x.stride(0), wp, m, n, k, out.data_ptr<float>());
+  else dot_all(xp, x.stride(0), wp, m, n, k, out.data_ptr<c10::BFloat16>());
 #else
-  TORCH_CHECK(false, "bf16_linear_f32: built without AVX-512 BF16");
+  TORCH_CHECK(false, "small_linear: bf16 needs AVX-512 BF16");
 #endif
   return out;
 }
@@ -311,7 +322,7 @@ bool has_bf16_dot() {
 TORCH_LIBRARY(splitserve_cpu_layer, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("bf16_linear_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, bool float32_out) -> Tensor");
   m.def("has_bf16_dot() -> bool", has_bf16_dot);
   m.def("rotary_store(Tensor qkv, int heads, int kv_heads, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
@@ -320,6 +331,6 @@ TORCH_LIBRARY(splitserve_cpu_layer, m) {
 TORCH_LIBRARY_IMPL(splitserve_cpu_layer, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("silu_and_mul", silu_and_mul);
-  m.impl("bf16_linear_f32", bf16_linear_f32);
+  m.impl("small_linear", small_linear);
   m.impl("rotary_store", rotary_store);
 }

@@ -1,5 +1,6 @@
 """A decoder layer's element-wise ops on the CPU in one pass each (cpu_layer_ops.cpp): the
-residual add with the RMS norm, silu(gate) * up, and rotary on q and k with the K/V store. The
+residual add with the RMS norm, silu(gate) * up, and rotary on q and k with the K/V store; and
+the projections' matmul at a few rows (small_linear, a decode step's tail). The
 torch path runs each as 5-15 ops, every one an OpenMP region over both cores and a fresh
 temporary; here a decode step's rows take one thread and no region. The references are
 kernels.torch_ops.rms_norm, silu_and_mul, apply_rotary and store_kv
@@ -78,23 +79,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2n] -> [..., n]
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
-# Rows bf16_linear_f32 takes (the kernel's limit).
-BF16_LINEAR_MAX_ROWS = 8
+# Rows small_linear takes (the kernel's limit).
+SMALL_LINEAR_MAX_ROWS = 8
 
 
 @functools.cache
 def bf16_dot_available() -> bool:
-    """bf16_linear_f32 runs here (the CPU has AVX-512 BF16 and the ops built for it)."""
+    """small_linear takes bf16 here (the CPU has AVX-512 BF16 and the ops built for it)."""
     return available() and bool(torch.ops.splitserve_cpu_layer.has_bf16_dot())
 
 
-def bf16_linear_f32(x: torch.Tensor,  # [M, K] bf16, M <= BF16_LINEAR_MAX_ROWS, K % 32 == 0
-                    w: torch.Tensor,  # [N, K] bf16, contiguous
-                    ) -> torch.Tensor:  # [M, N] float32
-    """x @ w.T in float32 (as F.linear of the operands widened: the products are exact, only
-    the order of the sum differs): a bf16 model's logits at a few rows, reading the bf16 table
-    instead of a float32 copy of it."""
-    return torch.ops.splitserve_cpu_layer.bf16_linear_f32(x, w)
+def small_linear_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether small_linear takes x [M, K] and weight [N, K] (else: oneDNN's GEMM)."""
+    return (x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.shape[1] % 32 == 0
+            and x.dtype == weight.dtype and weight.is_contiguous() and x.stride(1) == 1
+            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and (x.dtype == torch.float32 and available()
+                 or x.dtype == torch.bfloat16 and bf16_dot_available()))
+
+
+def small_linear(x: torch.Tensor,       # [M, K], M <= SMALL_LINEAR_MAX_ROWS, K % 32 == 0
+                 weight: torch.Tensor,  # [N, K] in x's dtype, contiguous
+                 float32_out: bool = False,
+                 ) -> torch.Tensor:     # [M, N] in x's dtype, or float32
+    """x @ weight.T with float32 sums (bf16 products are exact in float32, so float32_out gives
+    F.linear of the widened operands but for the order of the sum): a decode step's
+    projections and logits at a few rows, reading each weight once at memory speed."""
+    return torch.ops.splitserve_cpu_layer.small_linear(x, weight, float32_out)
 
 
 def rotary_store(qkv: torch.Tensor,           # [T, (heads + 2 kv_heads) * head_dim]

@@ -69,7 +69,10 @@ class OneDnnLinear:
     version counter is checked). Calls oneDNN cannot serve go to F.linear: dtypes other than
     float32 (and bfloat16 where oneDNN_bf16_available), mixed dtypes, tensors off the CPU, and
     calls autograd would record. A weight packed in float32 takes its input widened and gives
-    float32."""
+    float32. At up to 8 rows without a bias (a decode step's tail) the original weight goes
+    through kernels.cpu_layer_ops.small_linear instead: oneDNN's GEMM on weights packed for 64
+    rows streamed SmolLM2's projections at 8-25 GB/s at 1-8 rows on 2 cores, the kernel at
+    20-83 GB/s (a bf16 weight packed in float32 then gives float32 from the bf16 table)."""
 
     def __init__(self, batch_size_hint: int = BATCH_SIZE_HINT):
         self.batch_size_hint = batch_size_hint
@@ -84,10 +87,10 @@ class OneDnnLinear:
             return F.linear(x, weight, bias)
         packed = self.pack(weight)
         x2 = x.reshape(-1, x.shape[-1])
+        if bias is None and cpu_layer_ops.small_linear_serves(x2, weight):
+            out = cpu_layer_ops.small_linear(x2, weight, float32_out=packed.dtype != x.dtype)
+            return out.view(*x.shape[:-1], weight.shape[0])
         if packed.dtype != x.dtype:
-            if bias is None and _bf16_rows_to_float32(x2, weight):
-                out = cpu_layer_ops.bf16_linear_f32(x2, weight)
-                return out.view(*x.shape[:-1], weight.shape[0])
             x2, bias = x2.to(packed.dtype), None if bias is None else bias.to(packed.dtype)
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -110,15 +113,6 @@ class OneDnnLinear:
         self._packed[id(weight)] = (weight, version, packed)
         self.num_packs += 1
         return packed
-
-
-def _bf16_rows_to_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A bf16 weight packed in float32 (the logits of a bf16 model) at a few rows of x: the
-    step reads the whole weight, and the bf16 kernel reads half the bytes of the float32 copy
-    (SmolLM2's logits on 1 thread: 3.0 ms against 9.5 at 1 row, 8.6 against 13.1 at 8)."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
-            and x.shape[0] <= cpu_layer_ops.BF16_LINEAR_MAX_ROWS and x.shape[-1] % 32 == 0
-            and cpu_layer_ops.bf16_dot_available())
 
 
 def packable(weight: torch.Tensor) -> bool:

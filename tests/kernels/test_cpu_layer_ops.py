@@ -71,29 +71,42 @@ def test_rotary_store(dtype: torch.dtype) -> None:
     assert torch.equal(v_cache, ref_v)
 
 
-@pytest.mark.skipif(not cpu_layer_ops.bf16_dot_available(), reason="no AVX-512 BF16 here")
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
-def test_bf16_linear_f32(rows: int) -> None:
+@pytest.mark.parametrize("dtype,float32_out", [(torch.float32, False), (torch.bfloat16, True),
+                                               (torch.bfloat16, False)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8])
+def test_small_linear(dtype: torch.dtype, float32_out: bool, rows: int) -> None:
+    if dtype == torch.bfloat16 and not cpu_layer_ops.bf16_dot_available():
+        pytest.skip("no AVX-512 BF16 here")
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=g).bfloat16()
-    w = torch.randn(1000, 96, generator=g).bfloat16()
-    out = cpu_layer_ops.bf16_linear_f32(x, w)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, F.linear(x.float(), w.float()), atol=1e-4, rtol=1e-5)
+    x = torch.randn(rows, 96 + 5, generator=g).to(dtype)[:, :96]  # rows strided
+    w = torch.randn(1000, 96, generator=g).to(dtype)
+    assert cpu_layer_ops.small_linear_serves(x, w)
+    out = cpu_layer_ops.small_linear(x, w, float32_out)
+    ref = F.linear(x.float(), w.float())
+    assert out.dtype == (torch.float32 if float32_out else dtype)
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    else:  # rounded once from the float32 sum
+        torch.testing.assert_close(out, ref.to(dtype), atol=0.0, rtol=1 / 128)
 
 
-def test_bf16_logits_through_onednn_linear() -> None:
-    """OneDnnLinear takes a bf16 weight packed in float32 (a bf16 model's logits) through the
-    kernel at a few rows, and through the float32 copy above them: float32 either way."""
+def test_small_rows_through_onednn_linear() -> None:
+    """OneDnnLinear takes a few rows through small_linear, more through oneDNN; a bf16 weight
+    packed in float32 (a bf16 model's logits) gives float32 either way."""
     from common.models.ops_onednn import OneDnnLinear, onednn_bf16_available
     if not (onednn_bf16_available() and cpu_layer_ops.bf16_dot_available()):
         pytest.skip("no bf16 oneDNN or kernel here")
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(500, 64, generator=g).bfloat16()
     linear = OneDnnLinear()
-    linear.pack(w, torch.float32)
-    for rows in (2, 20):
-        x = torch.randn(rows, 64, generator=g).bfloat16()
-        out = linear(x, w)
-        assert out.dtype == torch.float32
-        torch.testing.assert_close(out, F.linear(x.float(), w.float()), atol=1e-4, rtol=1e-5)
+    for dtype, packed_dtype in ((torch.float32, None), (torch.bfloat16, None),
+                                (torch.bfloat16, torch.float32)):
+        w = torch.randn(500, 64, generator=g).to(dtype)
+        linear.pack(w, packed_dtype)
+        want = packed_dtype or dtype
+        for rows in (2, 20):
+            x = torch.randn(rows, 64, generator=g).to(dtype)
+            out = linear(x, w)
+            assert out.dtype == want
+            tol = {"atol": 1e-4, "rtol": 1e-5} if want == torch.float32 else {"atol": 0.0,
+                                                                              "rtol": 1 / 64}
+            torch.testing.assert_close(out, F.linear(x.float(), w.float()).to(want), **tol)
