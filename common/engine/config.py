@@ -57,10 +57,11 @@ class ModelSettings:
     cpu_threads: int = opt(0, "torch threads on CPU (0: one per core); give each service its "
                            "share when several run on one machine")
     cpu_omp_spin_count: int = opt(
-        1000, "CPU: how long (GOMP_SPINCOUNT) torch's OpenMP threads spin for the next op "
-        "before they sleep; set when the process starts, before torch loads (the splitserve "
-        "command does). libgomp's 300000 spins through other processes' time slices on a busy "
-        "box, where a decode step took 0.4-1.6 s instead of 0.2; -1: libgomp's default")
+        -1, "CPU: how long (GOMP_SPINCOUNT) torch's OpenMP threads spin for the next op "
+        "before they sleep, set when the process starts (the splitserve command does); -1: "
+        "libgomp's 300000, fastest on an idle box (ShareGPT-like bf16 21.2 s against 32.4 "
+        "with 1000); 1000 on a box other processes keep busy (a decode step 0.2 s against "
+        "0.4-1.6)")
     cpu_linear: str = opt("auto", "CPU matmuls of the projections: onednn (weights packed once "
                           "for oneDNN, bf16 too where the CPU has bf16 kernels; the packed "
                           "copies are held beside the weights), torch (F.linear), or auto "

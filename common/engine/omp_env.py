@@ -8,7 +8,10 @@ Between two ops a thread of the team spins GOMP_SPINCOUNT times before it sleeps
 300000 keeps both threads spinning between every op, which is fastest on an idle box but on a
 busy one a spinning thread holds a core that the other thread (or another process) needs, and
 every op's region then waits a time slice: on the 2-core box with another process running, a
-decode step at batch 32 took 0.4-1.6 s with 300000 and 0.2 s with 1000 (idle: 0.12 s either way).
+decode step at batch 32 took 0.4-1.6 s with 300000 and 0.2 s with 1000. On an idle box a short
+spin loses instead (threads asleep between ops wait to be woken): the ShareGPT-like bf16 run of
+bench/cpu_throughput.py took 32.4 s with 1000 and 21.2 s with 300000, so the default is
+libgomp's own (-1).
 """
 
 from __future__ import annotations
