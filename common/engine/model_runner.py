@@ -119,11 +119,6 @@ class PendingStep:
         # positions this step computed the logits before (ModelRunner.prompt_logprobs).
         self.prompt_logprobs = prompt_logprobs or {}
 
-    @property
-    def deferred(self) -> bool:
-        """Whether the step's sampling waits for sample()."""
-        return self._sampling is not None
-
     def sample(self) -> None:
         """Launch the deferred sampling (nothing if there is none, or it ran)."""
         if self._sampling is not None:
