@@ -99,6 +99,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         and request.handoff.include_first_text else out.new_text)
                 started.add(out.index)
                 finished = out.last
+                if finished:  # the span ends before the last message: a caller that cancels
+                    # once it has it may stop this generator at the yield, or never resume it
+                    tracing.record("decode.generate", span, joined, time.monotonic())
+                    span.end()
                 yield decode_pb2.DecodeResponse(
                     token_ids=out.new_token_ids, text=text,
                     finish_reason=FINISH_TO_PB[out.finish_reason if out.finished else None],
@@ -114,9 +118,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 tracing.failed(span, repr(e))
             raise
         finally:
-            if joined is not None:
-                tracing.record("decode.generate", span, joined, time.monotonic())
-            span.end()
+            if span.is_recording():
+                if joined is not None:
+                    tracing.record("decode.generate", span, joined, time.monotonic())
+                span.end()
             self.instance.num_inflight -= 1
             if not finished:
                 loop.abort(rid)

@@ -103,6 +103,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 handoff.add_done_callback(lambda _: self.handing_off.discard(rid))
                 delivering = True
             answered = handoff is None
+            if answered:  # ended before the last message: a caller that cancels once it has
+                span.end()  # the message may stop this generator at the yield (or never resume it)
             yield prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=first_token,
                 first_text=final.new_text,
@@ -120,6 +122,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             # The prefix index only steers later requests: updated after the handoff.
             self._spawn(self.prefixes.add(final.block_hashes))
             answered = True
+            span.end()  # before the last message, as above
             yield prefill_pb2.PrefillResponse(request_id=rid, delivered=accepted,
                                               deliver_ms=deliver_ms,
                                               instance_id=self.instance.instance_id)
@@ -128,7 +131,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 tracing.failed(span, repr(e))
             raise
         finally:
-            span.end()
+            if span.is_recording():
+                span.end()
             self.instance.num_inflight -= 1
             if not delivering:  # ended, cancelled or failed before delivering: release now
                 loop.abort(rid)

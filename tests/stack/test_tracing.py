@@ -198,7 +198,11 @@ def test_a_migration_is_an_event_of_the_request(cluster, receiver):
     assert attrs["splitserve.failed_instance"] == cluster.instance_ids[decoding[0]]
     # The prefill service computed the prompt twice (the second time with the tokens sent),
     # under the same request span; the killed decode service never exported its spans.
-    prefills = [s for s in receiver.trace(trace_id) if s["name"] == "prefill"]
+    # (Another process's export: waited for, as the gateway's span was.)
+    def both_prefills():
+        found = [s for s in receiver.trace(trace_id) if s["name"] == "prefill"]
+        return found if len(found) >= 2 else None
+    prefills = wait_until("both prefill spans", both_prefills, 30, interval_s=0.2)
     assert len(prefills) == 2 and {s["parent"] for s in prefills} == {spans[0]["id"]}
 
 def _decoding(cluster: Cluster, instance_id: str) -> bool:
