@@ -4,7 +4,9 @@ Each projection (qkv, o, gate|up, down) of a bf16/fp32 checkpoint becomes an `Fp
 weight [N, K] in torch.float8_e4m3fn with one float32 scale per output channel (row), amax / 448
 (kernels.torch_ops.quantize_rows), so W ~= qweight * scale. The embedding, the norms and the
 logits weight stay in the model's dtype. Under tensor parallelism each rank quantizes its own
-slices (a row-parallel weight's rows are scaled over the rank's columns).
+slices (a row-parallel weight's rows are scaled over the rank's columns). A checkpoint that
+already holds fp8 weights and scales (compressed-tensors, or vLLM's fp8) loads into the same
+`Fp8Linear`s without --quantization and is not quantized again: common.models.fp8_checkpoint.
 
 `Fp8Linear.weight` is an `Fp8Weight` (qweight, scale), which the layers hand to `model.ops` as
 they hand a plain weight; the ops decide how to multiply by it:
@@ -21,6 +23,7 @@ they hand a plain weight; the ops decide how to multiply by it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -54,29 +57,47 @@ class Fp8Linear(nn.Module):
     """An nn.Linear whose weight is held in fp8 with per-row scales (see the module docstring);
     the bias, if any, stays in the model's dtype."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None):
         super().__init__()
-        w = quantize_weight(linear.weight.detach())
-        self.register_buffer("qweight", w.qweight)
-        self.register_buffer("weight_scale", w.scale)
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("weight_scale", weight.scale)
+        self.bias = bias
+        self.out_features, self.in_features = weight.qweight.shape
+
+    @classmethod
+    def quantized(cls, linear: nn.Linear) -> Fp8Linear:
+        """linear's weight quantized per output channel (quantize_weight)."""
+        return cls(quantize_weight(linear.weight.detach()), linear.bias)
+
+    @classmethod
+    def empty_like(cls, linear: nn.Linear) -> Fp8Linear:
+        """Uninitialised fp8 storage of linear's shape, on its device, for a loader to fill
+        (an fp8 checkpoint: common.models.fp8_checkpoint)."""
+        n, k = linear.weight.shape
+        device = linear.weight.device
+        return cls(Fp8Weight(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device),
+                             torch.empty(n, dtype=torch.float32, device=device)), linear.bias)
 
     @property
     def weight(self) -> Fp8Weight:
         return Fp8Weight(self.qweight, self.weight_scale)
 
 
-def quantize_model(model: nn.Module) -> None:
-    """Replace every decoder layer's projections by Fp8Linear, in place (the full-precision
-    weights are freed as each is replaced)."""
+def replace_projections(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear]) -> None:
+    """Replace every decoder layer's projections (PROJECTIONS) by make(projection), in place
+    (each full-precision weight is freed as it is replaced)."""
     for layer in model.layers:
         for path in PROJECTIONS:
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
-            setattr(parent, name, Fp8Linear(getattr(parent, name)))
+            setattr(parent, name, make(getattr(parent, name)))
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()
+
+
+def quantize_model(model: nn.Module) -> None:
+    """Replace every decoder layer's projections by Fp8Linear, quantized at load, in place."""
+    replace_projections(model, Fp8Linear.quantized)
 
 
 def is_quantized(model: nn.Module) -> bool:

