@@ -67,6 +67,9 @@ class GatewayConfig:
     resume_retention_s: float = opt(30.0, "a resumable request keeps running this long without a "
                                     "client, and its output is kept this long after it ends")
     max_n: int = opt(16, "most choices one request may ask for (n); more is INVALID_ARGUMENT")
+    express: bool = opt(True, "start prompts on prefill services of this host with a Unix "
+                        "datagram ahead of the Prefill call, and take the first token back "
+                        "the same way (common/serving/express.py); never with TLS")
     router: RouterConfig = group(RouterConfig, "routing")
     migration: MigrationPolicy = group(MigrationPolicy, "migration")
 

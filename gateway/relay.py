@@ -30,6 +30,7 @@ from common.engine.core.block_manager import hash_prefix_blocks
 from common.errors import ClientAborted, DeadlineExceededError, ServiceError
 from common.registry import InstanceInfo, Registry
 from common.serving import tracing
+from common.serving.express import ExpressClient
 from common.serving.proto_convert import ms
 from gateway.config import GatewayConfig
 from gateway.frontend import PreparedRequest
@@ -108,13 +109,101 @@ class _DecodeCall:
         self.call.cancel()
 
 
+# Prefill calls read to their end after their caller is done (_PrefillCall.aclose).
+_DRAINING: set[asyncio.Task] = set()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A done callback: the outcome of a task nobody may await is retrieved (not logged)."""
+    if not task.cancelled():
+        task.exception()
+
+
+class _PrefillCall(_DecodeCall):
+    """A Prefill call's messages, the first one from the express reply when that comes first
+    (the call's copy of it is then dropped); counted in the router's load of `prefill` until
+    aclose()."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, handle: Inflight, prefill: InstanceInfo,
+                 router: Router, client: ExpressClient | None = None,
+                 express: asyncio.Future[prefill_pb2.PrefillResponse] | None = None):
+        super().__init__(call, handle)
+        self.prefill = prefill
+        self.router = router
+        self.client = client
+        self.express = express
+        self.rid = handle.internal_id
+        self._pending: asyncio.Future | None = None  # the call's first message, still awaited
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        messages = aiter(self.call)
+        if self.express is None:
+            async for msg in messages:
+                yield msg
+            return
+
+        async def first_message() -> prefill_pb2.PrefillResponse | None:
+            return await anext(messages, None)
+
+        # Not cancelled when the caller stops early: that would end the call's message stream
+        # (aclose() cancels the call itself, or reads it to its end).
+        self._pending = first = asyncio.ensure_future(first_message())
+        first.add_done_callback(_retrieve)
+        await asyncio.wait((first, self.express), return_when=asyncio.FIRST_COMPLETED)
+        if self.express.done() and not self.express.cancelled():
+            yield self.express.result()
+            msg = await first  # the call's copy of it: dropped
+            self._pending = None
+            if msg is None:
+                return
+        else:
+            msg = await first
+            self._pending = None
+            if msg is None:
+                return
+            yield msg
+        async for msg in messages:
+            yield msg
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.router.release(self.prefill.instance_id)
+        if self.client is not None:
+            self.client.forget(self.rid)
+        if (self.express is not None and self.express.done() and not self.express.cancelled()
+                and not self.call.done() and not self.handle.aborted):
+            # The express reply came first and the caller is done (the first token ended the
+            # request): the call still runs to its end, so that the prefill service adopts the
+            # work and releases the prompt's blocks now, not when its express start expires.
+            task = asyncio.get_running_loop().create_task(self._drain())
+            _DRAINING.add(task)
+            task.add_done_callback(_DRAINING.discard)
+            return
+        await super().aclose()
+
+    async def _drain(self) -> None:
+        try:
+            if self._pending is not None:
+                await self._pending
+            async for _ in self.call:
+                pass
+        except grpc.aio.AioRpcError:
+            pass
+        finally:
+            await super().aclose()
+
+
 class Relay:
     def __init__(self, config: GatewayConfig, registry: Registry, instances: Instances,
-                 router: Router):
+                 router: Router, express: ExpressClient | None = None):
         self.config = config
         self.registry = registry
         self.instances = instances
         self.router = router
+        self.express = express  # datagrams to prefill services of this host, ahead of calls
         self._background: set[asyncio.Task] = set()
 
     async def run(self, req: PreparedRequest, handle: Inflight, arrival: float,
@@ -140,12 +229,22 @@ class Relay:
                                                         prefill_instance_id=prefill.instance_id)}
                 route.set_attribute("splitserve.prefill_instance", prefill.instance_id)
             route.end()
-            # Opened first: with a handoff it reserves blocks while the prefill queues and computes.
-            stream = self._decode(req, handle, decode, source, deadline)
+            # The Prefill call goes out first (it is on the TTFT path), the Decode call right
+            # after it: with a handoff it reserves blocks while the prefill queues and computes
+            # (a doorbell rung before the reservation is left to the Deliver call).
+            st.timings.gateway_ms = ms(time.monotonic() - st.arrival)
+            first = None if local else self._prefill(req, handle, prefill, decode, deadline)
+            try:
+                if first is not None:
+                    await asyncio.sleep(0)  # the call's request is written by a task of its own
+                stream = self._decode(req, handle, decode, source, deadline)
+            except BaseException:
+                if first is not None:
+                    await first.aclose()
+                raise
             async with aclosing(stream):
-                if not local:
-                    async for msg in self._prefill_stage(req, handle, prefill, decode, deadline,
-                                                         st):
+                if first is not None:
+                    async for msg in self._prefill_stage(req, handle, first, decode, st):
                         yield msg
                     if st.completed:
                         return
@@ -169,14 +268,13 @@ class Relay:
                 self._abort_everywhere(handle)
 
     async def _prefill_stage(self, req: PreparedRequest, handle: Inflight,
-                             prefill: InstanceInfo, decode: InstanceInfo, deadline: float,
-                             st: _Progress,
+                             call: _PrefillCall, decode: InstanceInfo, st: _Progress,
                              ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """The first token for the client at once; returns when the prefill service has handed
         the KV to the decode service (or the first token ended the request)."""
-        st.timings.gateway_ms = ms(time.monotonic() - st.arrival)
         first = True
-        async with aclosing(self._prefill(req, handle, prefill, decode, deadline)) as stream:
+        prefill = call.prefill
+        async with aclosing(call) as stream:
             async for resp in stream:
                 if not first:  # second message: how the delivery went
                     st.timings.handoff_publish_ms = resp.deliver_ms
@@ -260,24 +358,26 @@ class Relay:
                     log.warning("prefix lookup failed, routing on load: %s", e)
         return self.router.pick_prefill(instances, cached)
 
-    async def _prefill(self, req: PreparedRequest, handle: Inflight, prefill: InstanceInfo,
-                       decode: InstanceInfo, deadline: float,
-                       ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+    def _prefill(self, req: PreparedRequest, handle: Inflight, prefill: InstanceInfo,
+                 decode: InstanceInfo, deadline: float) -> _PrefillCall:
+        """The Prefill call, opened now (its request goes out at once), as its messages; on this
+        host the express datagram goes out just before it (common/serving/express.py)."""
+        request = prefill_pb2.PrefillRequest(
+            request_id=handle.internal_id, prompt_token_ids=req.prompt_token_ids,
+            params=req.params_pb, decode_instance_id=decode.instance_id,
+            output_token_ids=req.output_token_ids, decode_address=decode.address)
+        metadata = tracing.metadata_for(handle.span)
+        timeout = _remaining(deadline)
+        express = None
+        if self.express is not None:
+            express = self.express.send(prefill.address, prefill_pb2.ExpressPrefill(
+                request=request, timeout_s=timeout,
+                traceparent=next((v for k, v in metadata or () if k == "traceparent"), "")))
         call = self.instances.prefill_stub(prefill.address).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=handle.internal_id, prompt_token_ids=req.prompt_token_ids,
-                params=req.params_pb, decode_instance_id=decode.instance_id,
-                output_token_ids=req.output_token_ids, decode_address=decode.address),
-            timeout=_remaining(deadline), metadata=tracing.metadata_for(handle.span))
+            request, timeout=timeout, metadata=metadata)
         handle.calls.append(call)
         self.router.acquire(prefill.instance_id)
-        try:
-            async for msg in call:
-                yield msg
-        finally:
-            self.router.release(prefill.instance_id)
-            handle.calls.remove(call)
-            call.cancel()  # no-op after the stream's end
+        return _PrefillCall(call, handle, prefill, self.router, self.express, express)
 
     def _decode(self, req: PreparedRequest, handle: Inflight, decode: InstanceInfo,
                 source: dict, deadline: float) -> _DecodeCall:

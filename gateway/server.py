@@ -10,6 +10,7 @@ import time
 from common.registry import Registry
 from common.serving import tracing
 from common.serving.auth import NO_AUTH, ApiKeyInterceptor, ApiKeyMiddleware, AuthConfig
+from common.serving.express import ExpressClient
 from common.serving.grpc_util import GrpcServer, Service, service_name, wait_for_signal
 from common.serving.metrics import GatewayMetrics
 from common.serving.tls import PLAINTEXT, TlsConfig
@@ -53,7 +54,9 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
     quarantine = Quarantine(config.quarantine_s)
     instances = Instances(registry, config.discovery_interval_s, tls, quarantine)
     router = Router(config.router)
-    relay = Relay(config, registry, instances, router)
+    # The express lane to prefill services on this host (plaintext only: no credentials).
+    express = ExpressClient().start() if config.express and not tls.dials_tls else None
+    relay = Relay(config, registry, instances, router, express)
     migrator = Migrator(relay, instances, quarantine, frontend.tokenizer,
                         config.migration, tls)
     resumable = ResumableStreams(config.resume_retention_s)
@@ -102,5 +105,7 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
         await asyncio.gather(discovery, health, return_exceptions=True)
         tracing.shutdown()
         await instances.close()
+        if express is not None:
+            express.close()
         registry.close()
         log.info("gateway stopped in %.1f s", time.monotonic() - stopping)

@@ -14,6 +14,10 @@ class PrefillServiceConfig(InstanceConfig):
                                  "blocks are released when it ends, at the latest then")
     prefix_sync_interval_s: float = opt(1.0, "how often evictions from the prefix cache are "
                                         "published to the registry's prefix index")
+    express: bool = opt(True, "open an express socket, a Unix datagram socket through which "
+                        "gateways on this host start prompts without waiting for the Prefill "
+                        "call's gRPC hop and get the first token back the same way "
+                        "(common/serving/express.py); never with TLS")
 
     def __post_init__(self) -> None:
         InstanceConfig.__post_init__(self)

@@ -15,6 +15,7 @@ from common.kv_transport.shm_sweep import sweep_stale_pools
 from common.kv_transport.source import KVSource
 from common.registry import Registry
 from common.serving import tracing
+from common.serving.express import ExpressListener
 from common.serving.grpc_util import GrpcServer, Service, service_name
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
@@ -51,8 +52,8 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     deliveries = Deliveries(instance.loop, config.handoff_lease_s, metrics, tls=tls)
     prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
     instance.heartbeat.on_reregister = lambda: setattr(prefixes, "republish", True)
-    server.add(Service(PrefillServicer(instance, source, deliveries, prefixes, metrics),
-                       prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+    servicer = PrefillServicer(instance, source, deliveries, prefixes, metrics)
+    server.add(Service(servicer, prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                        service_name(prefill_pb2, "PrefillService")))
     server.add(Service(KVTransferServicer(source),
                        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,
@@ -61,6 +62,7 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     metrics_server = metrics.serve(listen.host, listen.metrics_port,
                                    instance.health) if listen.metrics_port else None
     await server.start(serving=False)  # health: NOT_SERVING until registered
+    servicer.lane = _open_express(config, tls, instance.address, servicer)
     await instance.start(server)
     background = [asyncio.create_task(_maintain(instance, prefixes, config))]
     try:
@@ -71,11 +73,26 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
             registry.clear_instance(instance.instance_id)
 
         await instance.stop(server, config.server.shutdown_grace_s, background, drain=drain,
-                            close=[metrics_server.close] if metrics_server else [],
+                            close=[*([metrics_server.close] if metrics_server else []),
+                                   *([servicer.lane.close] if servicer.lane else [])],
                             close_after_engine=[source.close, *([shm.close] if shm else [])])
         tracing.shutdown()
     if instance.failure:  # stopped because the engine cannot step: exit 1, saying why
         raise SystemExit(f"{instance.kind} {instance.instance_id} stopped: {instance.failure}")
+
+
+def _open_express(config: PrefillServiceConfig, tls: TlsConfig, address: str,
+                  servicer: PrefillServicer) -> ExpressListener | None:
+    """The express socket on this event loop, unless turned off or serving TLS (its datagrams
+    carry no credentials); a name already taken leaves it off with a warning."""
+    if not config.express or tls.serves_tls:
+        return None
+    try:
+        return ExpressListener(address, servicer.on_express).start()
+    except OSError as e:
+        log.warning("no express socket for %s (%s): prompts wait for their Prefill call",
+                    address, e)
+        return None
 
 
 async def _maintain(instance: ServiceInstance, prefixes: PrefixSync,

@@ -9,6 +9,7 @@ the decode service named in the request, and released when that call ends (deliv
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -23,6 +24,7 @@ from common.kv_transport.source import KVSource
 from common.registry import HandoffDescriptor
 from common.serving import tracing
 from common.serving.engine_loop import AsyncOutputStream
+from common.serving.express import ADOPT_WITHIN_S, ExpressListener
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import PrefillMetrics
 from common.serving.proto_convert import (
@@ -39,6 +41,23 @@ from protos.splitserve.v1 import prefill_pb2, prefill_pb2_grpc
 log = logging.getLogger("splitserve.prefill")
 
 
+# Request ids remembered as started, to drop an express datagram that comes after its call.
+STARTED_REMEMBERED = 4096
+
+
+@dataclasses.dataclass(slots=True)
+class _Run:
+    """A prompt submitted to the engine, by its Prefill call or by an express datagram."""
+    params: SamplingParams
+    carried: list[int]
+    stream: AsyncOutputStream
+    rung: dict[str, tuple[HandoffDescriptor, bool]]
+    span: tracing.Span
+    submitted: asyncio.Future[None]
+    reply_to: bytes | None  # an express start's gateway, sent the first token
+    expiry: asyncio.TimerHandle | None = None  # an express start: aborted if no call adopts it
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, instance: ServiceInstance, source: KVSource, deliveries: Deliveries,
                  prefixes: PrefixSync, metrics: PrefillMetrics):
@@ -49,36 +68,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.metrics = metrics
         self._background: set[asyncio.Task] = set()
         self.handing_off: set[str] = set()  # checksumming or delivering: they release the blocks
+        # The express lane (common/serving/express.py): prompts started by a datagram, until
+        # their Prefill call adopts them; the ids started lately (a datagram after its call is
+        # dropped); the listener, once the server opened it.
+        self.express: dict[str, _Run] = {}
+        self._started: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.lane: ExpressListener | None = None
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext,
                       ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         rid = request.request_id
-        if not rid:
-            raise InvalidRequestError("request_id must not be empty")
-        if not request.decode_address:
-            raise InvalidRequestError("decode_address must name the decode service that waits")
-        params = params_from_pb(request.params)
-        prompt = list(request.prompt_token_ids)
-        carried = list(request.output_token_ids)  # a migrated request's delivered tokens
-        # One choice here whatever n: the decode service forks the others from the KV.
-        first_only = dataclasses.replace(params, max_tokens=len(carried) + 1, n=1)
+        run = self.express.pop(rid, None)  # started by the gateway's datagram: adopted
+        if run is not None:
+            run.expiry.cancel()
+            self.metrics.express_starts.inc()
+        else:
+            run = self._start(request, context.invocation_metadata())
+        params, carried, stream, rung, span = (run.params, run.carried, run.stream, run.rung,
+                                               run.span)
+        prompt = request.prompt_token_ids
         loop = self.instance.loop
-        stream = AsyncOutputStream()
-        rung: dict[str, tuple[HandoffDescriptor, bool]] = {}  # filled by the sink, see _ringing
-        sink = (self._ringing(rid, params, carried, len(prompt), request.decode_address, stream,
-                              rung) if self.source.pool.is_cuda and self.source.shards is None
-                else stream)
         delivering = False  # True once the hand-off task owns releasing the blocks
         answered = False  # the caller has the last message (a cancel after it is no failure)
-        span = tracing.start("prefill", tracing.context_from(context.invocation_metadata()),
-                             kind=tracing.SpanKind.SERVER,
-                             attributes={"splitserve.request_id": rid,
-                                         "splitserve.prompt_tokens": len(prompt)})
         self.instance.num_inflight += 1
         try:
-            await asyncio.wrap_future(loop.submit(rid, prompt, first_only, sink,
-                                                  output_token_ids=carried, hold_kv=True))
+            await run.submitted
             prompt_logprobs = None
             async for out in stream:
                 final = out
@@ -105,16 +120,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             answered = handoff is None
             if answered:  # ended before the last message: a caller that cancels once it has
                 span.end()  # the message may stop this generator at the yield (or never resume it)
-            yield prefill_pb2.PrefillResponse(
-                request_id=rid, first_token_id=first_token,
-                first_text=final.new_text,
-                finish_reason=FINISH_TO_PB[final.finish_reason if ends else None],
-                num_cached_tokens=final.num_cached_tokens,
-                queue_ms=ms(m.first_scheduled_time - m.arrival_time),
-                compute_ms=ms(m.first_token_time - m.first_scheduled_time),
-                instance_id=self.instance.instance_id,
-                first_logprobs=logprobs_to_pb(final.logprobs[0]) if final.logprobs else None,
-                prompt_logprobs=prompt_logprobs_to_pb(prompt_logprobs))
+            yield self._first_response(rid, final, params, carried, prompt_logprobs)
             if handoff is None:
                 self._spawn(self.prefixes.add(final.block_hashes))
                 return
@@ -137,10 +143,115 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if not delivering:  # ended, cancelled or failed before delivering: release now
                 loop.abort(rid)
 
+    def _start(self, request: prefill_pb2.PrefillRequest, trace_metadata,
+               reply_to: bytes | None = None) -> _Run:
+        """Validate the request and submit its prompt (the engine's verdict comes in
+        `submitted`). reply_to: an express start's gateway, sent the first token from the
+        engine thread (not with prompt_logprobs, which may span several outputs)."""
+        rid = request.request_id
+        if not rid:
+            raise InvalidRequestError("request_id must not be empty")
+        if not request.decode_address:
+            raise InvalidRequestError("decode_address must name the decode service that waits")
+        params = params_from_pb(request.params)
+        prompt = list(request.prompt_token_ids)
+        carried = list(request.output_token_ids)  # a migrated request's delivered tokens
+        # One choice here whatever n: the decode service forks the others from the KV.
+        first_only = dataclasses.replace(params, max_tokens=len(carried) + 1, n=1)
+        stream = AsyncOutputStream()
+        rung: dict[str, tuple[HandoffDescriptor, bool]] = {}  # filled by the sink, see _ringing
+        sink = (self._ringing(rid, params, carried, len(prompt), request.decode_address, stream,
+                              rung) if self.source.pool.is_cuda and self.source.shards is None
+                else stream)
+        if reply_to is not None and params.prompt_logprobs is not None:
+            reply_to = None
+        if reply_to:
+            sink = self._replying(rid, params, carried, reply_to, sink)
+        span = tracing.start("prefill", tracing.context_from(trace_metadata),
+                             kind=tracing.SpanKind.SERVER,
+                             attributes={"splitserve.request_id": rid,
+                                         "splitserve.prompt_tokens": len(prompt)})
+        try:
+            submitted = asyncio.wrap_future(self.instance.loop.submit(
+                rid, prompt, first_only, sink, output_token_ids=carried, hold_kv=True))
+        except BaseException as e:
+            tracing.failed(span, repr(e))
+            span.end()
+            raise
+        self._started[rid] = None
+        while len(self._started) > STARTED_REMEMBERED:
+            self._started.popitem(last=False)
+        return _Run(params, carried, stream, rung, span, submitted, reply_to)
+
+    def on_express(self, message: prefill_pb2.ExpressPrefill, reply_to: bytes) -> None:
+        """An express datagram (common/serving/express.py), on the event loop: start its prompt
+        unless its call came first (or it is not valid: the call will say why)."""
+        rid = message.request.request_id
+        if not rid or rid in self._started or not self.instance.ready:
+            return
+        try:
+            run = self._start(message.request, [("traceparent", message.traceparent)]
+                              if message.traceparent else [], reply_to or None)
+        except Exception:  # the Prefill call reports it
+            return
+        # A refused prompt's error is the call's to report; retrieved here so that a run no
+        # call adopts does not log it as never retrieved.
+        run.submitted.add_done_callback(lambda f: f.cancelled() or f.exception())
+        wait = max(0.0, min(message.timeout_s or ADOPT_WITHIN_S, ADOPT_WITHIN_S))
+        run.expiry = asyncio.get_running_loop().call_later(wait, self._expire, rid)
+        self.express[rid] = run
+
+    def _expire(self, rid: str) -> None:
+        """An express start no call adopted: drop it and whatever it holds."""
+        run = self.express.pop(rid, None)
+        if run is None:
+            return
+        log.warning("request %s: started by the express lane, but no Prefill call came within "
+                    "%.1f s: aborted", rid, ADOPT_WITHIN_S)
+        tracing.failed(run.span, "no Prefill call adopted the express start")
+        run.span.end()
+        self.instance.loop.abort(rid)
+
+    def _first_response(self, rid: str, final, params: SamplingParams, carried: list[int],
+                        prompt_logprobs=None) -> prefill_pb2.PrefillResponse:
+        """The first message of a Prefill stream (and an express reply), from the prompt's
+        final output."""
+        m = final.metrics
+        ends = _ends(final, params, carried)
+        return prefill_pb2.PrefillResponse(
+            request_id=rid, first_token_id=final.output_token_ids[len(carried)],
+            first_text=final.new_text,
+            finish_reason=FINISH_TO_PB[final.finish_reason if ends else None],
+            num_cached_tokens=final.num_cached_tokens,
+            queue_ms=ms(m.first_scheduled_time - m.arrival_time),
+            compute_ms=ms(m.first_token_time - m.first_scheduled_time),
+            instance_id=self.instance.instance_id,
+            first_logprobs=logprobs_to_pb(final.logprobs[0]) if final.logprobs else None,
+            prompt_logprobs=prompt_logprobs_to_pb(prompt_logprobs))
+
+    def _replying(self, rid: str, params: SamplingParams, carried: list[int], reply_to: bytes,
+                  sink):
+        """The engine's sink for an express start: the first token goes to the gateway from the
+        engine thread the moment it is sampled, then on to `sink`."""
+        def replying(out) -> None:
+            if (self.lane is not None and not isinstance(out, BaseException) and out.finished
+                    and len(out.output_token_ids) > len(carried)):
+                try:
+                    self.lane.reply(reply_to, self._first_response(rid, out, params, carried))
+                except Exception:  # never into the engine loop: the call carries it anyway
+                    log.exception("request %s: the express reply failed", rid)
+            sink(out)
+
+        return replying
+
     async def Abort(self, request: prefill_pb2.PrefillServiceAbortRequest,
                     context: grpc.aio.ServicerContext,
                     ) -> prefill_pb2.PrefillServiceAbortResponse:
         rid = request.request_id
+        run = self.express.pop(rid, None)  # started by a datagram, its call not come (yet)
+        if run is not None:
+            run.expiry.cancel()
+            run.span.end()
         if rid in self.handing_off:  # released when the delivery ends
             return prefill_pb2.PrefillServiceAbortResponse(found=True)
         return prefill_pb2.PrefillServiceAbortResponse(found=await asyncio.wrap_future(

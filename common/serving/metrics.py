@@ -335,6 +335,9 @@ class PrefillMetrics(EngineMetrics):
         self.delivery_failures = self.counter(
             "handoff_delivery_failures", "Deliveries the decode service refused or that failed "
             "(its blocks are released all the same; the decode side recomputes)")
+        self.express_starts = self.counter(
+            "prefill_express_starts", "Prompts a gateway on this host started through the express "
+            "lane, ahead of their Prefill call (common/serving/express.py)")
         self.init_goodput("prefill")
 
     def observe_prefilled(self, m: RequestMetrics) -> None:
