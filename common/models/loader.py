@@ -77,7 +77,8 @@ def model_config(spec: str, cache_dir: Path) -> ModelConfig:
 
 def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, cache_dir: Path,
                shard: Shard = NO_SHARD) -> tuple[LlamaModel, ModelConfig]:
-    """Builds the model for spec with its weights in dtype on device (eval mode, no grad).
+    """Builds the model for spec with its weights in dtype on device (eval mode, no grad); an
+    FP8 checkpoint's projections are Fp8Linears holding its fp8 weights and scales.
     shard: a tensor-parallel rank, which loads only its slices (common.models.sharding); a
     size that does not divide the model is a ConfigError."""
     device = torch.device(device)
