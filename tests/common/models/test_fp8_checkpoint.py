@@ -329,3 +329,17 @@ def test_static_input_scales_are_read_past(tiny_dirs, tmp_path, model_cache_dir)
     for (_, _, a), (_, _, b) in zip(projections(got), projections(want), strict=True):
         assert torch.equal(bits(a.qweight), bits(b.qweight))
         assert torch.equal(a.weight_scale, b.weight_scale)
+
+
+def test_compressed_tensors_per_tensor_scales_load_as_fp8s(tiny_dirs, tmp_path, model_cache_dir):
+    """The fp8 export's [] scales as [1], under a compressed-tensors tensor strategy."""
+    def as_one_element(t):
+        for name in [n for n in t if n.endswith(".weight_scale")]:
+            t[name] = t[name].reshape(1)
+
+    d = _variant(tiny_dirs["fp8"], tmp_path / "ct-tensor", config=_ct({"strategy": "tensor"}),
+                 edit=as_one_element)
+    got, want = load(d, model_cache_dir), load(tiny_dirs["fp8"], model_cache_dir)
+    for (_, _, a), (_, _, b) in zip(projections(got), projections(want), strict=True):
+        assert torch.equal(bits(a.qweight), bits(b.qweight))
+        assert torch.equal(a.weight_scale, b.weight_scale)
