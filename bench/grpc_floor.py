@@ -8,7 +8,10 @@ A server process answers a Prefill call with one PrefillResponse of the size the
 raw TCP echo answers one byte. The client times, after an idle gap of 0, 1, 10, 50 and 200 ms:
 
 - the gRPC call until its first message (what the gateway waits for per hop) and until its end;
-- the TCP round trip (two thread wake-ups and nothing else).
+- the TCP round trip (two thread wake-ups and nothing else);
+- and two hops in a row (a blocking client -> a relay server -> the answering server), hot and
+  after 50 ms of idle: the floor of the stack's TTFT path (bench/stack_latency.py measures it
+  in its own run).
 
 The stack's TTFT path has two such calls (client -> gateway, gateway -> prefill) plus the
 engine thread's two hand-offs, each after the services idled through the prefill compute.
@@ -48,6 +51,73 @@ def _grpc_server(port: int) -> None:
         await server.server.wait_for_termination()
 
     asyncio.run(main())
+
+
+class _Relay(prefill_pb2_grpc.PrefillServiceServicer):
+    """Forwards each Prefill call to the answering server, as the gateway forwards a request."""
+
+    def __init__(self, upstream: str):
+        self.stub = prefill_pb2_grpc.PrefillServiceStub(grpc_util.insecure_channel(upstream))
+
+    async def Prefill(self, request, context):
+        async for msg in self.stub.Prefill(request, timeout=30):
+            yield msg
+
+
+def _relay_server(port: int, upstream_port: int) -> None:
+    async def main() -> None:
+        server = grpc_util.GrpcServer("127.0.0.1", port)
+        server.add(grpc_util.Service(_Relay(f"127.0.0.1:{upstream_port}"),
+                                     prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+                                     "splitserve.v1.PrefillService"))
+        await server.start()
+        await server.server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def two_hop_floor(gap_ms: float, n: int) -> dict:
+    """The stack's two hops with nothing else: a blocking client (as bench/stack_latency.py's)
+    calls a relay server, which calls an answering server; the first message's arrival after
+    `gap_ms` of idle, p50 over n calls (in ms), and hot (no gap)."""
+    import grpc
+
+    answer_port, relay_port = free_port(), free_port()
+    servers = [mp.Process(target=_grpc_server, args=(answer_port,), daemon=True),
+               mp.Process(target=_relay_server, args=(relay_port, answer_port), daemon=True)]
+    for p in servers:
+        p.start()
+    request = prefill_pb2.PrefillRequest(
+        request_id="r" * 41, prompt_token_ids=list(range(1000, 1064)),
+        params=types_pb2.SamplingParams(max_tokens=32, temperature=0.0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{relay_port}") as channel:
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    list(stub.Prefill(request, timeout=5))
+                    break
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            out = {}
+            for name, gap in (("hot", 0.0), ("after_idle", gap_ms)):
+                times = []
+                for i in range(n + 5):
+                    time.sleep(gap / 1e3)
+                    t = time.perf_counter()
+                    stream = stub.Prefill(request, timeout=30)
+                    next(stream)
+                    if i >= 5:
+                        times.append((time.perf_counter() - t) * 1e3)
+                    list(stream)
+                out[f"{name}_ms_p50"] = statistics.median(times)
+            return {"gap_ms": gap_ms, **out}
+    finally:
+        for p in servers:
+            p.terminate()
 
 
 def _tcp_echo(port: int) -> None:
@@ -108,6 +178,9 @@ def main() -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     rows = []
     try:
+        two = two_hop_floor(50, args.calls)
+        print(f"two hops (client -> relay -> server), first message: hot {two['hot_ms_p50']:.3f} "
+              f"ms, after 50 ms idle {two['after_idle_ms_p50']:.3f} ms", flush=True)
         for gap in GAPS_MS:
             row = {"gap_ms": gap, **grpc_hops(grpc_port, gap, args.calls),
                    "tcp_round_trip_ms_p50": tcp_round_trips(sock, gap, args.calls)}
@@ -120,7 +193,8 @@ def main() -> None:
         for p in servers:
             p.terminate()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "cpus": mp.cpu_count()}, indent=1))
+    args.out.write_text(json.dumps({"rows": rows, "two_hops": two, "cpus": mp.cpu_count()},
+                                   indent=1))
     print(f"wrote {args.out}")
 
 

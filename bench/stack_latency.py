@@ -18,6 +18,10 @@ hits), greedy, EOS ignored:
   built the engine, as the services do).
   Target: stack p50 within 1 ms of in-process p50. Also shown without the engine's own
   arrival-to-first-token time, which takes the model's compute (and most noise) out.
+  The same without the engine's time while one other stream decodes through the stack
+  (--hot-requests; target: within 1 ms of the in-process engine's), and after idle against the
+  floor of two gRPC hops measured in this run (bench/grpc_floor.py's two_hop_floor, at the idle
+  gap the stack's requests had; target: within 0.5 ms of it).
 - ITL: time between consecutive tokens. Target: within 0.3 ms at p50.
 - Handoff: for 512-token prompts, its part on the critical path / prefill compute time. The
   critical path runs from the prefill engine's first token to the request queued for the decode
@@ -47,6 +51,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.grpc_floor import two_hop_floor
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
@@ -72,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-max-tokens", type=int, default=1024,
                    help="tokens each --load-streams stream may generate (capped by the model's "
                         "length; must outlast the loaded handoffs)")
+    p.add_argument("--hot-requests", type=int, default=20,
+                   help="TTFT requests through the stack while one other stream decodes there "
+                        "(0 = skip)")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="KV pool of every engine")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="model of every engine")
@@ -264,6 +272,19 @@ def main() -> int:
                 local.append(a)
                 stack.append(b)
         worker.shutdown()
+        # The same requests through the stack while one other stream decodes there: the
+        # gateway and the decode service busy, as a serving stack is (the issue's "at least one
+        # request in flight").
+        hot: list[tuple[list[float], types_pb2.StageTimings]] = []
+        if args.hot_requests:
+            busy = Background(stub, random_prompts(rng, 1, args.prompt_tokens, args.vocab),
+                              max_tokens=args.load_max_tokens)
+            try:
+                busy.wait_decoding()
+                hot = [through_stack(stub, prompt, args.max_tokens) for prompt in
+                       random_prompts(rng, args.hot_requests, args.prompt_tokens, args.vocab)]
+            finally:
+                busy.stop()
         handoff_prompts = random_prompts(rng, args.handoff_requests, args.handoff_prompt_tokens,
                                          args.vocab)
         handoffs = [through_stack(stub, p, 2)[1] for p in handoff_prompts]
@@ -288,6 +309,11 @@ def main() -> int:
         registry.close()
         redis.stop()
 
+    # The floor under the stack's two hops, in this run: a blocking client -> a relay server
+    # -> an answering server, after the idle gap the stack's requests had (an in-process
+    # request's length, p50) and hot.
+    idle_ms = p50([(times[-1] - times[0]) * 1e3 for times, _ in local])
+    floor = two_hop_floor(idle_ms, args.requests)
     local_ttft, local_itl = latencies([times for times, _ in local])
     stack_ttft, stack_itl = latencies([times for times, _ in stack])
     token2_gap = [(r[2] - r[1]) * 1e3 for r, _ in stack]
@@ -306,6 +332,9 @@ def main() -> int:
         "prefill_call_around_engine": p50([s.ttft_ms - s.gateway_ms - s.prefill_queue_ms
                                            - s.prefill_compute_ms for _, s in stack]),
     }
+    hot_around = [(t[1] - t[0]) * 1e3 - (s.prefill_queue_ms + s.prefill_compute_ms)
+                  for t, s in hot]
+    after_idle_overhead = p50(stack_around) - p50(local_around)
     result = {
         "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "model": args.model,
@@ -317,13 +346,19 @@ def main() -> int:
         "ttft_outside_engine_ms_p50": {"in_process": p50(local_around),
                                        "stack": p50(stack_around)},
         "itl_overhead_ms_p50": p50(stack_itl) - p50(local_itl),
+        # TTFT outside the engine: the stack's minus the in-process engine's.
+        "ttft_outside_engine_overhead_ms_p50": {
+            "after_idle": after_idle_overhead,
+            "one_stream_in_flight": p50(hot_around) - p50(local_around) if hot else None},
+        "two_hop_floor_ms_p50": floor,
+        "after_idle_over_two_hop_floor_ms": after_idle_overhead - floor["after_idle_ms_p50"],
         "token2_gap_ms_p50": p50(token2_gap),
         "token2_gap_over_itl": p50(token2_gap) / p50(stack_itl),
         "ttft_stack_split_ms_p50": split,
         "handoff": {**handoff_summary(handoffs, args.handoff_prompt_tokens),
                     "bytes_by_transport": transports},
         "targets": {"ttft_overhead_ms": 1.0, "itl_overhead_ms": 0.3, "handoff_fraction": 0.05,
-                    "token2_gap_over_itl": 1.3},
+                    "token2_gap_over_itl": 1.3, "after_idle_over_two_hop_floor_ms": 0.5},
     }
     h = result["handoff"]
     rows = [
@@ -335,6 +370,14 @@ def main() -> int:
     print(f"\n{'metric':<16}{'in-process':>12}{'stack':>12}{'overhead':>12}  target")
     for name, a, b, d, target in rows:
         print(f"{name:<16}{a:>12.2f}{b:>12.2f}{d:>12.2f}  {target}")
+    if hot:
+        print(f"{'  in flight':<16}{p50(local_around):>12.2f}{p50(hot_around):>12.2f}"
+              f"{p50(hot_around) - p50(local_around):>12.2f}  <= 1.0 (outside the engine, one "
+              f"other stream decoding through the stack)")
+    print(f"after idle, outside the engine: {after_idle_overhead:.2f} ms over in-process; two "
+          f"hops' floor after {floor['gap_ms']:.0f} ms idle {floor['after_idle_ms_p50']:.2f} ms "
+          f"(hot {floor['hot_ms_p50']:.2f}): "
+          f"{result['after_idle_over_two_hop_floor_ms']:+.2f} ms (target <= +0.5)")
     print("  the stack's part, p50: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms"
                                                    for k, v in split.items()))
     print(f"token 1 -> 2 gap p50 {result['token2_gap_ms_p50']:.2f} ms = "
