@@ -30,7 +30,7 @@ from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
 from common.errors import ConfigError
 from common.flags import build
-from common.models.fp8 import Fp8Linear, Fp8Weight, is_quantized, quantize_model
+from common.models.fp8 import Fp8Linear, Fp8Weight, is_quantized
 from common.models.fp8_export import export_fp8
 from common.models.llama import LlamaModel
 from common.models.loader import load_model
@@ -38,9 +38,10 @@ from common.models.sharding import NO_SHARD, Shard
 from kernels import torch_ops
 from tests.common.models import test_fp8_vs_hf as online_fp8
 
-# The online-fp8 test's fixtures, this module's too: HF on the per-channel round trip of every
-# projection (hf_dequantized), and the prompt.
-hf_dequantized, prompt_ids = online_fp8.hf_dequantized, online_fp8.prompt_ids
+# The online-fp8 test's fixtures, this module's too: SmolLM2 quantized at load (fp8_model), HF
+# on the per-channel round trip of every projection (hf_dequantized), and the prompt.
+fp8_model, hf_dequantized, prompt_ids = (online_fp8.fp8_model, online_fp8.hf_dequantized,
+                                         online_fp8.prompt_ids)
 
 CPU = torch.device("cpu")
 PROJ = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
@@ -82,9 +83,8 @@ def original(smollm2_dir) -> dict[str, torch.Tensor]:
 
 
 # ---- (a) the loaded weights -----------------------------------------------------------------
-def test_compressed_tensors_is_bit_for_bit_online_fp8(ct_dir, smollm2_dir, model_cache_dir):
-    online = load(smollm2_dir, model_cache_dir)
-    quantize_model(online)
+def test_compressed_tensors_is_bit_for_bit_online_fp8(ct_dir, fp8_model, model_cache_dir):
+    online = fp8_model
     ours = load(ct_dir, model_cache_dir)
     assert is_quantized(ours)
     with safe_open(str(ct_dir / "model.safetensors"), framework="pt") as f:
