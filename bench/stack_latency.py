@@ -43,6 +43,7 @@ import json
 import random
 import shlex
 import statistics
+import sys
 import tempfile
 import time
 import urllib.request
@@ -51,7 +52,6 @@ from pathlib import Path
 
 import grpc
 
-from bench.grpc_floor import two_hop_floor
 from common.engine.config import EngineConfig
 from common.engine.core.sampling_params import SamplingParams
 from common.engine.engine import LLMEngine
@@ -59,6 +59,9 @@ from common.registry import EmbeddedRedis, Registry
 from common.registry.embedded import free_port
 from protos.splitserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from splitserve.launch import service_argv, start_service, stop_services
+
+sys.path.insert(0, str(Path(__file__).parent))
+from grpc_floor import two_hop_floor  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
