@@ -9,6 +9,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.registry import Registry
 from common.serving import tracing
+from common.serving.datagram import open_listener
 from common.serving.doorbell import DoorbellListener
 from common.serving.grpc_util import GrpcServer, Service, service_name
 from common.serving.instance import ServiceInstance
@@ -56,16 +57,11 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
 
 def _open_doorbell(config: DecodeServiceConfig, tls: TlsConfig, address: str,
                    inbox: HandoffInbox) -> DoorbellListener | None:
-    """The delivery doorbell on this event loop, unless turned off or serving TLS (its
-    datagrams carry no credentials); a name already taken leaves it off with a warning."""
-    if not config.doorbell or tls.serves_tls:
-        return None
-    try:
-        return DoorbellListener(address, inbox.ring).start()
-    except OSError as e:
-        log.warning("no delivery doorbell for %s (%s): deliveries take the gRPC call only",
-                    address, e)
-        return None
+    """The delivery doorbell on this event loop, unless turned off or serving TLS."""
+    return open_listener(config.doorbell, tls,
+                         lambda: DoorbellListener(address, inbox.ring).start(), log,
+                         f"delivery doorbell for {address}",
+                         "deliveries take the gRPC call only")
 
 
 async def _maintain(instance: ServiceInstance, interval_s: float) -> None:

@@ -15,6 +15,7 @@ from common.kv_transport.shm_sweep import sweep_stale_pools
 from common.kv_transport.source import KVSource
 from common.registry import Registry
 from common.serving import tracing
+from common.serving.datagram import open_listener
 from common.serving.express import ExpressListener
 from common.serving.grpc_util import GrpcServer, Service, service_name
 from common.serving.instance import ServiceInstance
@@ -83,16 +84,10 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
 
 def _open_express(config: PrefillServiceConfig, tls: TlsConfig, address: str,
                   servicer: PrefillServicer) -> ExpressListener | None:
-    """The express socket on this event loop, unless turned off or serving TLS (its datagrams
-    carry no credentials); a name already taken leaves it off with a warning."""
-    if not config.express or tls.serves_tls:
-        return None
-    try:
-        return ExpressListener(address, servicer.on_express).start()
-    except OSError as e:
-        log.warning("no express socket for %s (%s): prompts wait for their Prefill call",
-                    address, e)
-        return None
+    """The express socket on this event loop, unless turned off or serving TLS."""
+    return open_listener(config.express, tls,
+                         lambda: ExpressListener(address, servicer.on_express).start(), log,
+                         f"express socket for {address}", "prompts wait for their Prefill call")
 
 
 async def _maintain(instance: ServiceInstance, prefixes: PrefixSync,

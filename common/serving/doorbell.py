@@ -30,6 +30,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from common.serving.datagram import drain
+
 log = logging.getLogger("splitserve.doorbell")
 
 MAX_DATAGRAM = 1 << 20  # a descriptor with every transport's offer is a few KiB
@@ -80,20 +82,18 @@ class DoorbellListener:
         return self
 
     def _read(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                return
-            try:
-                message = json.loads(data)
-            except ValueError:
-                log.warning("doorbell: dropped a datagram that is not JSON (%d bytes)", len(data))
-                continue
-            try:
-                self._on_ring(message)
-            except Exception:  # a malformed ring must not stop the reader
-                log.exception("doorbell: a ring failed")
+        drain(self._sock, MAX_DATAGRAM, self._on_datagram)
+
+    def _on_datagram(self, data: bytes, _sender) -> None:
+        try:
+            message = json.loads(data)
+        except ValueError:
+            log.warning("doorbell: dropped a datagram that is not JSON (%d bytes)", len(data))
+            return
+        try:
+            self._on_ring(message)
+        except Exception:  # a malformed ring must not stop the reader
+            log.exception("doorbell: a ring failed")
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
+from common.serving.datagram import drain
 from protos.splitserve.v1 import prefill_pb2
 
 log = logging.getLogger("splitserve.express")
@@ -95,20 +96,18 @@ class ExpressClient:
             future.cancel()
 
     def _read(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                return
-            try:
-                reply = prefill_pb2.PrefillResponse.FromString(data)
-            except DecodeError:
-                log.warning("express: dropped a reply that is not a PrefillResponse (%d bytes)",
-                            len(data))
-                continue
-            future = self._waiting.pop(reply.request_id, None)
-            if future is not None and not future.done():
-                future.set_result(reply)
+        drain(self._sock, MAX_DATAGRAM, self._on_reply)
+
+    def _on_reply(self, data: bytes, _sender) -> None:
+        try:
+            reply = prefill_pb2.PrefillResponse.FromString(data)
+        except DecodeError:
+            log.warning("express: dropped a reply that is not a PrefillResponse (%d bytes)",
+                        len(data))
+            return
+        future = self._waiting.pop(reply.request_id, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -146,23 +145,21 @@ class ExpressListener:
             return False
 
     def _read(self) -> None:
-        while True:
-            try:
-                data, address = self._sock.recvfrom(MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                return
-            try:
-                message = prefill_pb2.ExpressPrefill.FromString(data)
-            except DecodeError:
-                log.warning("express: dropped a datagram that is not an ExpressPrefill (%d bytes)",
-                            len(data))
-                continue
-            if not isinstance(address, bytes):
-                address = b""  # an unbound sender: the work starts, the reply has nowhere to go
-            try:
-                self._on_request(message, address)
-            except Exception:  # a bad datagram must not stop the reader
-                log.exception("express: starting request %r failed", message.request.request_id)
+        drain(self._sock, MAX_DATAGRAM, self._on_datagram)
+
+    def _on_datagram(self, data: bytes, address) -> None:
+        try:
+            message = prefill_pb2.ExpressPrefill.FromString(data)
+        except DecodeError:
+            log.warning("express: dropped a datagram that is not an ExpressPrefill (%d bytes)",
+                        len(data))
+            return
+        if not isinstance(address, bytes):
+            address = b""  # an unbound sender: the work starts, the reply has nowhere to go
+        try:
+            self._on_request(message, address)
+        except Exception:  # a bad datagram must not stop the reader
+            log.exception("express: starting request %r failed", message.request.request_id)
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -1,6 +1,6 @@
 """The delivery doorbell: a ring reaches the listener of that decode address on the event loop's
 thread, malformed datagrams are dropped without stopping the reader, and a ring to an address
-nobody listens on fails quietly."""
+nobody listens on fails quietly; one address has one doorbell (and one express socket)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import asyncio
 import socket
 import threading
 
+import pytest
+
 from common.serving.doorbell import DoorbellListener, DoorbellSender, socket_name
+from common.serving.express import ExpressListener
 
 
 def test_rings_reach_the_listener_of_that_address_on_the_loop_thread():
@@ -44,14 +47,17 @@ def test_rings_reach_the_listener_of_that_address_on_the_loop_thread():
     assert len(got[1][0]["descriptor_json"]) == 100_000
 
 
-def test_one_address_has_one_doorbell():
+@pytest.mark.parametrize("listener", [
+    lambda address: DoorbellListener(address, lambda m: None),
+    lambda address: ExpressListener(address, lambda m, a: None)], ids=["doorbell", "express"])
+def test_one_address_has_one_listener(listener):
     address = f"127.0.0.1:{id(object())}"
 
     async def scenario():
-        first = DoorbellListener(address, lambda m: None).start()
+        first = listener(address).start()
         try:
             try:
-                DoorbellListener(address, lambda m: None)
+                listener(address)
             except OSError:
                 return True
             return False

@@ -60,20 +60,3 @@ def test_a_datagram_and_its_reply():
     assert list(got[1][0].request.prompt_token_ids) == list(range(20_000))
     assert got[0][0].timeout_s == 5.0 and got[0][0].traceparent.startswith("00-4bf9")
     assert [(r.request_id, r.first_token_id) for r in replies] == [("a", 1), ("bb", 2)]
-
-
-def test_one_address_has_one_express_socket():
-    address = f"127.0.0.1:{id(object())}"
-
-    async def scenario():
-        first = ExpressListener(address, lambda m, a: None).start()
-        try:
-            try:
-                ExpressListener(address, lambda m, a: None)
-            except OSError:
-                return True
-            return False
-        finally:
-            first.close()
-
-    assert asyncio.run(scenario())
