@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -19,6 +20,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <climits>
 #include <tuple>
 
 namespace {
@@ -237,11 +240,18 @@ at::Tensor rotary_store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
 }
 
 // x [M, K] @ w [N, K] -> [M, N], float32 or bf16 operands (one dtype), the products summed in
-// float32 and the sum rounded once to the output's dtype (float32, or the operands'). bf16 by
-// AVX-512 BF16's dot of pairs (exact products), float32 by FMAs: as oneDNN's GEMM but for the
-// order of the sum. For a decode step's few rows, which read every weight once: oneDNN's GEMM
-// on weights packed for 64 rows streamed SmolLM2's projections at 4-6 GB/s at 1-8 rows, this
-// at 12-33 GB/s. Rows of x at most MAX_ROWS; K a multiple of 32.
+// float32 and the sum rounded once to the output's dtype (float32, or the operands'): as
+// oneDNN's GEMM but for the order of the sum. K a multiple of 32. Two builds:
+// - AVX-512 (the eighth session's kernel): at most 8 rows, four rows a pass over the weights;
+//   bf16 by AVX-512 BF16's dot of pairs (exact products), float32 by FMAs. For a decode step's
+//   few rows, which read every weight once: oneDNN's GEMM on weights packed for 64 rows
+//   streamed SmolLM2's projections at 4-6 GB/s at 1-8 rows, this at 12-33 GB/s.
+// - AVX2 + FMA: any number of rows, in blocks of ROW_BLOCK rows (the block's x, widened to
+//   float32, stays in cache while the weights stream past it once); each task takes two weight
+//   rows against four x rows (eight float32 accumulators); a bf16 weight is widened in
+//   registers (its products are exact in float32). On AVX2 oneDNN has no bf16 kernels, and
+//   F.linear runs bf16 at a quarter of its float32 rate.
+#if defined(__AVX512F__)
 constexpr int64_t MAX_ROWS = 8;
 
 inline __m512 dot_step(__m512 acc, const float* x, const float* w) {
@@ -317,6 +327,190 @@ bool has_bf16_dot() {
 #endif
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t MAX_ROWS = INT64_MAX;
+constexpr int64_t ROW_BLOCK = 64;
+constexpr int64_t VL = 8;  // float32 lanes of a __m256
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> float32: the bits shifted up
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline float sum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// out[m, j] = x[m] . w[j] for MR rows of x (float32) and NR rows of w.
+template <int MR, int NR, typename T, typename O>
+inline void dot_tile(const float* x, int64_t xs, const T* w, int64_t k, O* out, int64_t os) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += VL) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * k + i);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * xs + i);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) out[m * os + j] = static_cast<O>(sum8(acc[m][j]));
+}
+
+template <int NR, typename T, typename O>
+inline void dot_rows(const float* x, int64_t xs, int64_t rows, const T* w, int64_t k, O* out,
+                     int64_t os) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) dot_tile<4, NR>(x + r * xs, xs, w, k, out + r * os, os);
+  switch (rows - r) {
+    case 3: dot_tile<3, NR>(x + r * xs, xs, w, k, out + r * os, os); break;
+    case 2: dot_tile<2, NR>(x + r * xs, xs, w, k, out + r * os, os); break;
+    case 1: dot_tile<1, NR>(x + r * xs, xs, w, k, out + r * os, os); break;
+    default: break;
+  }
+}
+
+template <typename T, typename O>
+void dot_all(const float* x, int64_t xs, const T* w, int64_t m, int64_t n, int64_t k, O* out) {
+  constexpr int64_t NR = 3;  // weight rows a task: 4 x 3 accumulators hide the FMAs' latency
+  const int64_t groups = (n + NR - 1) / NR;
+  for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+    const int64_t rows = std::min(ROW_BLOCK, m - r0);
+    const float* xr = x + r0 * xs;
+    at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t j = NR * g;
+        O* o = out + r0 * n + j;
+        switch (std::min(NR, n - j)) {
+          case 3: dot_rows<3>(xr, xs, rows, w + j * k, k, o, n); break;
+          case 2: dot_rows<2>(xr, xs, rows, w + j * k, k, o, n); break;
+          default: dot_rows<1>(xr, xs, rows, w + j * k, k, o, n); break;
+        }
+      }
+    });
+  }
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, bool float32_out) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.stride(1) == 1 &&
+              w.is_contiguous() && x.scalar_type() == w.scalar_type(), "x [M, K], w [N, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(k % 32 == 0, "K a multiple of 32");
+  const auto out_type = float32_out ? at::kFloat : x.scalar_type();
+  at::Tensor out = at::empty({m, n}, x.options().dtype(out_type));
+  if (x.scalar_type() == at::kFloat) {
+    dot_all(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<float>(), m, n, k,
+            out.data_ptr<float>());
+    return out;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "small_linear: float32 or bfloat16");
+  const at::Tensor xf = x.to(at::kFloat);  // exact; widened once, not once per weight row
+  const auto* wp = w.const_data_ptr<c10::BFloat16>();
+  if (float32_out) dot_all(xf.const_data_ptr<float>(), xf.stride(0), wp, m, n, k,
+                           out.data_ptr<float>());
+  else dot_all(xf.const_data_ptr<float>(), xf.stride(0), wp, m, n, k,
+               out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+bool has_bf16_dot() { return true; }  // widened in registers
+
+#else
+constexpr int64_t MAX_ROWS = 0;
+
+at::Tensor small_linear(const at::Tensor&, const at::Tensor&, bool) {
+  TORCH_CHECK(false, "small_linear needs AVX-512 or AVX2 with FMA");
+}
+
+bool has_bf16_dot() { return false; }
+#endif
+
+int64_t small_linear_max_rows() { return MAX_ROWS; }
+
+// x [M, K] float32 @ w -> [M, N] float32, w held as oneDNN packs a float32 weight [N, K] for 64
+// rows (its layout here, AVX2 and AVX-512 alike): [ceil(N / 64), KP, 64], KP = K rounded up to
+// 16, 64 output columns a block and K-major inside it, zero padded. Each task takes 32 columns
+// of a block and runs three rows of x at a time against them (an outer product: the 32 weights
+// of one k times each row's x[k] broadcast, twelve float32 accumulators), so a block's columns
+// are read once from memory and once per three rows from cache. The products summed in k's
+// order, as F.linear's but for FMA rounding. Lets the packed copy be the only one: decode steps
+// read it here, prefills through oneDNN.
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t PACK_COLS = 64, TILE_COLS = 32, TILE_ROWS = 3;
+
+// out[m, c] for MR rows of x and the TILE_COLS columns at wt (stride PACK_COLS per k).
+template <int MR>
+inline void packed_tile(const float* x, int64_t xs, const float* wt, int64_t k, float* out,
+                        int64_t os, int64_t cols) {
+  constexpr int NV = TILE_COLS / 8;
+  __m256 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    __m256 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = _mm256_loadu_ps(wt + i * PACK_COLS + 8 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * xs + i);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(xb, w[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[TILE_COLS];
+    float* o = cols == TILE_COLS ? out + m * os : tmp;
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, acc[m][v]);
+    if (o == tmp) std::memcpy(out + m * os, tmp, cols * sizeof(float));
+  }
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "x [M, K] float32, rows dense");
+  TORCH_CHECK(wp.dim() == 3 && wp.is_contiguous() && wp.scalar_type() == at::kFloat &&
+              wp.size(2) == PACK_COLS && wp.size(0) * PACK_COLS >= n &&
+              wp.size(0) * PACK_COLS < n + PACK_COLS && wp.size(1) >= x.size(1),
+              "wp [ceil(N / 64), KP >= K, 64] float32");
+  const int64_t m = x.size(0), k = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const float* w = wp.const_data_ptr<float>();
+  const int64_t kp = wp.size(1), tiles = (n + TILE_COLS - 1) / TILE_COLS;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c0 = t * TILE_COLS, cols = std::min(TILE_COLS, n - c0);
+      const float* wt = w + (c0 / PACK_COLS) * kp * PACK_COLS + c0 % PACK_COLS;
+      int64_t r = 0;
+      for (; r + TILE_ROWS <= m; r += TILE_ROWS)
+        packed_tile<TILE_ROWS>(xp + r * xs, xs, wt, k, op + r * n + c0, n, cols);
+      const float* xr = xp + r * xs;
+      float* o = op + r * n + c0;
+      if (m - r == 2) packed_tile<2>(xr, xs, wt, k, o, n, cols);
+      else if (m - r == 1) packed_tile<1>(xr, xs, wt, k, o, n, cols);
+    }
+  });
+  return out;
+}
+
+bool has_packed_linear() { return true; }
+#else
+at::Tensor packed_linear(const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "packed_linear needs AVX2 with FMA");
+}
+
+bool has_packed_linear() { return false; }
+#endif
+
+// numel float32s at address ptr, the storage of owner (an opaque oneDNN tensor), as a plain
+// tensor that keeps owner alive.
+at::Tensor alias_storage(const at::Tensor& owner, int64_t ptr, int64_t numel) {
+  return at::from_blob(reinterpret_cast<void*>(ptr), {numel}, [owner](void*) {},
+                       at::TensorOptions().dtype(at::kFloat));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve_cpu_layer, m) {
@@ -324,6 +518,10 @@ TORCH_LIBRARY(splitserve_cpu_layer, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("small_linear(Tensor x, Tensor w, bool float32_out) -> Tensor");
   m.def("has_bf16_dot() -> bool", has_bf16_dot);
+  m.def("small_linear_max_rows() -> int", small_linear_max_rows);
+  m.def("packed_linear(Tensor x, Tensor wp, int n) -> Tensor");
+  m.def("has_packed_linear() -> bool", has_packed_linear);
+  m.def("alias_storage(Tensor owner, int ptr, int numel) -> Tensor", alias_storage);
   m.def("rotary_store(Tensor qkv, int heads, int kv_heads, Tensor positions, Tensor cos_sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
 }
@@ -332,5 +530,6 @@ TORCH_LIBRARY_IMPL(splitserve_cpu_layer, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("small_linear", small_linear);
+  m.impl("packed_linear", packed_linear);
   m.impl("rotary_store", rotary_store);
 }

@@ -79,26 +79,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2n] -> [..., n]
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
-# Rows small_linear takes (the kernel's limit).
-SMALL_LINEAR_MAX_ROWS = 8
+@functools.cache
+def small_linear_max_rows() -> int:
+    """Rows small_linear takes in this build: 8 with AVX-512, any with AVX2 (0: none)."""
+    return int(torch.ops.splitserve_cpu_layer.small_linear_max_rows()) if available() else 0
 
 
 @functools.cache
 def bf16_dot_available() -> bool:
-    """small_linear takes bf16 here (the CPU has AVX-512 BF16 and the ops built for it)."""
+    """small_linear takes bf16 here (AVX-512 BF16's dots, or AVX2's widened in registers)."""
     return available() and bool(torch.ops.splitserve_cpu_layer.has_bf16_dot())
 
 
-def small_linear_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether small_linear takes x [M, K] and weight [N, K] (else: oneDNN's GEMM)."""
-    return (x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.shape[1] % 32 == 0
+def small_linear_dtype(dtype: torch.dtype) -> bool:
+    """small_linear takes weights of dtype here."""
+    return (dtype == torch.float32 and small_linear_max_rows() > 0
+            or dtype == torch.bfloat16 and bf16_dot_available())
+
+
+def small_linear_serves(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether small_linear takes x [M, K] and weight [N, K] at up to max_rows rows (default
+    and at most: the build's limit)."""
+    limit = small_linear_max_rows() if max_rows is None else min(max_rows,
+                                                                 small_linear_max_rows())
+    return (x.dim() == 2 and x.shape[0] <= limit and x.shape[1] % 32 == 0
             and x.dtype == weight.dtype and weight.is_contiguous() and x.stride(1) == 1
             and x.device.type == "cpu" and weight.device.type == "cpu"
             and (x.dtype == torch.float32 and available()
                  or x.dtype == torch.bfloat16 and bf16_dot_available()))
 
 
-def small_linear(x: torch.Tensor,       # [M, K], M <= SMALL_LINEAR_MAX_ROWS, K % 32 == 0
+def small_linear(x: torch.Tensor,       # [M, K], M <= small_linear_max_rows(), K % 32 == 0
                  weight: torch.Tensor,  # [N, K] in x's dtype, contiguous
                  float32_out: bool = False,
                  ) -> torch.Tensor:     # [M, N] in x's dtype, or float32
@@ -106,6 +117,26 @@ def small_linear(x: torch.Tensor,       # [M, K], M <= SMALL_LINEAR_MAX_ROWS, K 
     F.linear of the widened operands but for the order of the sum): a decode step's
     projections and logits at a few rows, reading each weight once at memory speed."""
     return torch.ops.splitserve_cpu_layer.small_linear(x, weight, float32_out)
+
+
+@functools.cache
+def packed_linear_available() -> bool:
+    return available() and bool(torch.ops.splitserve_cpu_layer.has_packed_linear())
+
+
+def packed_linear(x: torch.Tensor,   # [M, K] float32, rows dense
+                  wp: torch.Tensor,  # [ceil(N / 64), KP >= K, 64] float32: w [N, K] packed
+                  n: int,
+                  ) -> torch.Tensor:  # [M, N] float32
+    """x @ w.T from w held as oneDNN packs a float32 weight for 64 rows (see the .cpp): 16
+    columns of a block a task, six rows at a time, so the weights are read from memory once."""
+    return torch.ops.splitserve_cpu_layer.packed_linear(x, wp, n)
+
+
+def alias_storage(owner: torch.Tensor, ptr: int, numel: int) -> torch.Tensor:
+    """numel float32s at ptr, owner's storage (an opaque oneDNN tensor), as a plain tensor that
+    keeps owner alive."""
+    return torch.ops.splitserve_cpu_layer.alias_storage(owner, ptr, numel)
 
 
 def rotary_store(qkv: torch.Tensor,           # [T, (heads + 2 kv_heads) * head_dim]

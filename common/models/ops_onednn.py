@@ -8,18 +8,22 @@ from F.linear by float rounding only (~1e-6 relative). bfloat16 weights are pack
 oneDNN has bf16 kernels for the CPU (AVX-512 BF16 or AMX): at 32 rows SmolLM2's projections took
 0.60 ms a layer against F.linear's 0.72, its logits 5.4 ms against 7.6 (2-core AVX-512 box).
 
-install_cpu_ops packs a model's projections beside their originals. Freeing an original once
-packed (its storage resized to nothing) was tried and undone: such a tensor keeps its shape, and
-anything else that touches it (a test scaling a layer, a state_dict) reads freed memory and
-crashes the process instead of raising. The logits weight is packed in float32 whatever the
-model's dtype, so that a bf16 model's logits are float32 too (its bf16 hidden states widen
-exactly).
+install_cpu_ops packs a model's projections; a float32 projection's packed copy is then its only
+one (PackedOnly): the module's weight becomes a stand-in on the meta device, whose values
+dense_weight() gives, and decode rows read the packed copy through
+kernels.cpu_layer_ops.packed_linear. (Freeing the original's storage in place was tried in the
+seventh session and undone: such a tensor keeps its shape, and anything that touched it read
+freed memory and crashed the process; a meta tensor has no memory to read, and mixing it with
+CPU tensors raises.) The logits weight is packed in float32 whatever the model's dtype, so that
+a bf16 model's logits are float32 too (its bf16 hidden states widen exactly), and stays beside
+its packed copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -63,43 +67,100 @@ def onednn_available() -> bool:
     return bool(torch.equal(out, torch.full((1, 2), 2.0)))
 
 
+# Rows up to which kernels.cpu_layer_ops.small_linear runs a projection in place of oneDNN's
+# GEMM (the build's own limit applies too: 8 with AVX-512). SmolLM2's 30 layers on the AVX2 box, 1
+# thread, float32 ms small_linear / oneDNN: 8.3 / 13.1 at 1 row, 14.3 / 21.6 at 4, 33.4 / 32.0 at
+# 8, 57.7 / 59.7 at 16, 119.9 / 99.5 at 32. The float32 logits (49152 x 576) tie at 1 row and
+# lose above (11.9 / 10.1 ms at 4), so they take it at 1 row only. (On the AVX-512 box the
+# eighth session measured up to 8 rows, the build's limit there.)
+SMALL_LINEAR_ROWS = 16
+SMALL_LINEAR_LOGITS_ROWS = 1
+
+
 class OneDnnLinear:
     """F.linear's signature; each weight is packed at its first use (or by pack()) and the
     packed copy reused while the weight object lives and is not modified in place (its
-    version counter is checked). Calls oneDNN cannot serve go to F.linear: dtypes other than
-    float32 (and bfloat16 where oneDNN_bf16_available), mixed dtypes, tensors off the CPU, and
-    calls autograd would record. A weight packed in float32 takes its input widened and gives
-    float32. At up to 8 rows without a bias (a decode step's tail) the original weight goes
-    through kernels.cpu_layer_ops.small_linear instead: oneDNN's GEMM on weights packed for 64
-    rows streamed SmolLM2's projections at 8-25 GB/s at 1-8 rows on 2 cores, the kernel at
-    20-83 GB/s (a bf16 weight packed in float32 then gives float32 from the bf16 table)."""
+    version counter is checked). Calls it cannot serve go to F.linear: mixed dtypes, tensors
+    off the CPU, calls autograd would record, and dtypes neither oneDNN nor small_linear takes.
+    A weight marked by wide_output (a bf16 model's logits) gives float32.
+
+    Which runs a call:
+    - kernels.cpu_layer_ops.small_linear on the original weight, without a bias, at up to
+      SMALL_LINEAR_ROWS rows (SMALL_LINEAR_LOGITS_ROWS for a float32 logits weight): a decode
+      step's rows read each weight once at memory speed, where oneDNN's GEMM on weights packed
+      for 64 rows streams them at 8-25 GB/s; and a bf16 weight at every row count where oneDNN
+      has no bf16 kernels (AVX2: F.linear ran bf16 6x slower than small_linear, at 1-512 rows);
+    - else oneDNN on the packed copy, in float32 for a wide-output weight;
+    - else F.linear."""
 
     def __init__(self, batch_size_hint: int = BATCH_SIZE_HINT):
         self.batch_size_hint = batch_size_hint
         # id(weight) -> (weight, its version when packed, packed copy); the weight is held so
         # that its id is not reused while the entry exists.
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._wide: dict[int, torch.Tensor] = {}  # id -> a weight whose output is float32
         self.num_packs = 0
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.serves(x, weight, bias):
             return F.linear(x, weight, bias)
-        packed = self.pack(weight)
         x2 = x.reshape(-1, x.shape[-1])
-        if bias is None and cpu_layer_ops.small_linear_serves(x2, weight):
-            out = cpu_layer_ops.small_linear(x2, weight, float32_out=packed.dtype != x.dtype)
-            return out.view(*x.shape[:-1], weight.shape[0])
-        if packed.dtype != x.dtype:
-            x2, bias = x2.to(packed.dtype), None if bias is None else bias.to(packed.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+        held = packed_only(weight)
+        wide = self._wide.get(id(weight)) is weight and x.dtype != torch.float32
+        if held is not None:
+            out = held(x2, bias)
+        elif bias is None and cpu_layer_ops.small_linear_serves(x2, weight,
+                                                                self.small_rows(weight)):
+            out = cpu_layer_ops.small_linear(x2, weight, float32_out=wide)
+        elif packable(weight):
+            packed = self.pack(weight, torch.float32 if wide else None)
+            if packed.dtype != x.dtype:
+                x2, bias = x2.to(packed.dtype), None if bias is None else bias.to(packed.dtype)
+            out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+        else:
+            out = F.linear(x2, weight, bias)
+            out = out.float() if wide else out
         return out.view(*x.shape[:-1], weight.shape[0])
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        tensors = (x, weight) if bias is None else (x, weight, bias)
-        return (packable(weight) and x.dim() >= 1
+        tensors = (x,) if bias is None else (x, bias)
+        if not (weight.dim() == 2 and x.dim() >= 1
                 and all(t.dtype == weight.dtype and t.device.type == "cpu" for t in tensors)
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+                and not (torch.is_grad_enabled()
+                         and any(t.requires_grad for t in (*tensors, weight)))):
+            return False
+        return packed_only(weight) is not None or (
+            weight.device.type == "cpu"
+            and (packable(weight) or cpu_layer_ops.small_linear_dtype(weight.dtype)))
+
+    def hold_packed_only(self, module: nn.Linear) -> bool:
+        """Packs module's float32 weight and, where packed_linear reads oneDNN's layout of it,
+        replaces the weight by a stand-in that holds the packed copy only (PackedOnly); the
+        original is freed once nothing else holds it. Whether it did."""
+        weight = module.weight
+        packed = self.pack(weight)
+        view = packed_layout_view(packed, weight)
+        if view is None:
+            return False
+        stand_in = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                requires_grad=False)
+        setattr(stand_in, PACKED_ONLY, PackedOnly(packed, view, weight.shape[0]))
+        module.weight = stand_in
+        del self._packed[id(weight)]
+        return True
+
+    def small_rows(self, weight: torch.Tensor) -> int:
+        """The most rows small_linear takes weight at (before the build's own limit)."""
+        if weight.dtype == torch.bfloat16 and not onednn_bf16_available():
+            return sys.maxsize
+        if weight.dtype == torch.float32 and self._wide.get(id(weight)) is weight:
+            return SMALL_LINEAR_LOGITS_ROWS
+        return SMALL_LINEAR_ROWS
+
+    def wide_output(self, weight: torch.Tensor) -> None:
+        """Marks weight as one whose output is float32 whatever its dtype (the logits)."""
+        self._wide[id(weight)] = weight
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The packed copy of weight [N, K] (made now, in dtype, default the weight's, if there
@@ -113,6 +174,68 @@ class OneDnnLinear:
         self._packed[id(weight)] = (weight, version, packed)
         self.num_packs += 1
         return packed
+
+
+# Rows up to which a weight held packed only (PackedOnly) runs through
+# kernels.cpu_layer_ops.packed_linear, above which through oneDNN's GEMM on the same copy.
+PACKED_LINEAR_ROWS = 16
+
+# The attribute of a stand-in weight (on the meta device) that holds its packed copy.
+PACKED_ONLY = "splitserve_packed_only"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedOnly:
+    """A float32 projection weight [N, K] held only as oneDNN's packed copy: decode rows read it
+    through kernels.cpu_layer_ops.packed_linear, more rows through oneDNN. The module's weight
+    is then a stand-in on the meta device (its shape and dtype, no values: reading it raises
+    rather than reading freed memory) carrying this; dense_weight() gives the values."""
+    packed: torch.Tensor  # oneDNN's opaque tensor
+    view: torch.Tensor    # its storage: [ceil(N / 64), KP, 64] float32 (packed_linear's weight)
+    n: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [M, K]
+        if bias is None and x.shape[0] <= PACKED_LINEAR_ROWS:
+            return cpu_layer_ops.packed_linear(x if x.stride(1) == 1 else x.contiguous(),
+                                               self.view, self.n)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+def packed_only(weight: torch.Tensor) -> PackedOnly | None:
+    return getattr(weight, PACKED_ONLY, None)
+
+
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight's values as a CPU tensor: the weight itself, or for a stand-in (PackedOnly) its
+    packed copy unpacked (a new tensor: writing to it changes nothing the model reads). Every
+    reader of a projection weight after install_cpu_ops goes through this."""
+    held = packed_only(weight)
+    return weight if held is None else held.packed.to_dense()
+
+
+def packed_layout_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """packed's storage as [ceil(N / 64), KP, 64] (KP: K rounded up to 16), the layout oneDNN
+    gave float32 weights packed for 64 rows on AVX2, checked element by element against weight
+    [N, K]; None where the layout is another or packed_linear is not built."""
+    if not (packed.dtype == weight.dtype == torch.float32
+            and cpu_layer_ops.packed_linear_available()):
+        return None
+    n, k = weight.shape
+    nb, kp = -(-n // 64), -(-k // 16) * 16
+    numel = torch.ops.mkldnn._nbytes(packed) // 4
+    if numel != nb * kp * 64:
+        return None
+    view = cpu_layer_ops.alias_storage(packed, torch.ops.mkldnn.data_ptr(packed), numel)
+    view = view.view(nb, kp, 64)
+    same = torch.equal(view.transpose(1, 2).reshape(nb * 64, kp)[:n, :k], weight)
+    return view if same else None
+
+
+def restore_dense_weights(model: nn.Module) -> None:
+    """Gives every nn.Linear whose weight is a stand-in (PackedOnly) its dense weight back."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and packed_only(m.weight) is not None:
+            m.weight = nn.Parameter(dense_weight(m.weight), requires_grad=False)
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -178,21 +301,31 @@ def resolve_cpu_linear(name: str) -> str:
 
 def install_cpu_ops(model: nn.Module, cpu_linear: str) -> None:
     """Sets model.ops for the CPU per cpu_linear. For oneDNN, packs the weights of its
-    nn.Linear layers beside the originals (see the module docstring) and its logits weight
-    (model.logits_weight, the embedding table when tied), in float32. A model with
-    fp8 weights (common.models.fp8) takes the reference ops: a packed copy would be the
-    dequantized weights, the memory that fp8 saves."""
+    nn.Linear layers and its logits weight (model.logits_weight, the embedding table when tied;
+    in float32). A float32 projection's packed copy becomes its only one where packed_linear
+    reads it (hold_packed_only: the module's weight a stand-in, dense_weight() its values);
+    the logits weight stays beside its packed copy (the embedding reads the table, small_linear
+    a row at a time, and tests scale an lm_head in place). A model with fp8 weights
+    (common.models.fp8) takes the reference ops: a packed copy would be the dequantized
+    weights, the memory that fp8 saves. Leaving oneDNN for the reference ops gives the
+    projections their dense weights back."""
     current = model.ops.linear
     if resolve_cpu_linear(cpu_linear) == "torch" or is_quantized(model):
+        restore_dense_weights(model)
         model.ops = REFERENCE_OPS
         return
     if isinstance(current, OneDnnLinear):  # a second runner on the same model
         return
+    restore_dense_weights(model)
     linear = OneDnnLinear()
     head = getattr(model, "logits_weight", None)
-    if isinstance(head, torch.Tensor) and packable(head):
-        linear.pack(head, torch.float32)
+    if isinstance(head, torch.Tensor):
+        linear.wide_output(head)
+        if packable(head):
+            linear.pack(head, torch.float32)
     for m in model.modules():  # an untied lm_head's float32 packing is reused
-        if isinstance(m, nn.Linear) and packable(m.weight):
+        if not (isinstance(m, nn.Linear) and packable(m.weight)):
+            continue
+        if m.weight is head or not linear.hold_packed_only(m):
             linear.pack(m.weight)
     model.ops = onednn_ops(linear)

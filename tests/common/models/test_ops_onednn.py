@@ -14,12 +14,16 @@ from common.flags import build
 from common.models.ops import REFERENCE_OPS
 from common.models.ops_onednn import (
     OneDnnLinear,
+    dense_weight,
     install_cpu_ops,
     onednn_available,
     onednn_bf16_available,
     onednn_ops,
+    packed_layout_view,
+    packed_only,
     resolve_cpu_linear,
 )
+from kernels import cpu_layer_ops
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no usable oneDNN")
 
@@ -39,7 +43,9 @@ def test_matches_f_linear(rows: int, with_bias: bool) -> None:
     x = torch.randn(rows, 576, generator=g)
     linear = OneDnnLinear()
     _close(linear(x, weight, bias), F.linear(x, weight, bias))
-    assert linear.num_packs == 1
+    # packed at the first call that oneDNN runs (small_linear reads the original)
+    small = bias is None and cpu_layer_ops.small_linear_serves(x, weight, linear.small_rows(weight))
+    assert linear.num_packs == (0 if small else 1)
 
 
 @needs_onednn
@@ -57,7 +63,7 @@ def test_leading_dims_and_non_contiguous_input() -> None:
 def test_tied_embedding_weight() -> None:
     emb = torch.nn.Embedding(1000, 64)
     emb.requires_grad_(False)
-    hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
+    hidden = torch.randn(20, 64, generator=torch.Generator().manual_seed(2))  # oneDNN's rows
     linear = OneDnnLinear()
     with torch.inference_mode():
         _close(linear(hidden, emb.weight, None), F.linear(hidden, emb.weight))
@@ -158,16 +164,24 @@ def test_install_packs_linears_and_tied_head(engine_factory) -> None:
     # qkv, o, gate|up and down per layer, and the tied embedding for the logits
     assert model.lm_head is None
     assert linear.num_packs == 4 * model.config.num_layers + 1
-    # the originals stay usable beside their packed copies (none released: see the module)
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert all(w.untyped_storage().nbytes() > 0 for w in weights)
+    # float32 projections held as their packed copies only (stand-ins on the meta device whose
+    # values dense_weight gives); the logits weight stays beside its packed copy
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    held = packed_layout_view(torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64), 64),
+                              torch.ones(64, 64)) is not None
+    originals = [dense_weight(m.weight).clone() for m in layers]
+    assert all((packed_only(m.weight) is not None) == held for m in layers)
+    assert all(m.weight.is_meta == held for m in layers)
     assert model.logits_weight.untyped_storage().nbytes() > 0
     install_cpu_ops(model, "onednn")  # a second runner on the same model keeps the packs
     assert model.ops.linear is linear
-    install_cpu_ops(model, "torch")
+    install_cpu_ops(model, "torch")  # the dense weights back, equal to the originals
     assert model.ops is REFERENCE_OPS
+    assert all(torch.equal(m.weight, w) for m, w in zip(layers, originals, strict=True))
     install_cpu_ops(model, "onednn")
     assert model.ops.linear is not linear
+    assert all(torch.equal(dense_weight(m.weight), w)
+               for m, w in zip(layers, originals, strict=True))
 
 
 class _RecordingLinear(OneDnnLinear):
