@@ -48,6 +48,7 @@ STARTED_REMEMBERED = 4096
 @dataclasses.dataclass(slots=True)
 class _Run:
     """A prompt submitted to the engine, by its Prefill call or by an express datagram."""
+    request: prefill_pb2.PrefillRequest
     params: SamplingParams
     carried: list[int]
     stream: AsyncOutputStream
@@ -56,6 +57,7 @@ class _Run:
     submitted: asyncio.Future[None]
     reply_to: bytes | None  # an express start's gateway, sent the first token
     expiry: asyncio.TimerHandle | None = None  # an express start: aborted if no call adopts it
+    expiry_s: float = 0.0
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -80,6 +82,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                       ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         rid = request.request_id
         run = self.express.pop(rid, None)  # started by the gateway's datagram: adopted
+        if run is not None and run.request != request:  # not this call's request: dropped
+            self._drop(run, rid, "its Prefill call carried another request")
+            run = None
         if run is not None:
             run.expiry.cancel()
             self.metrics.express_starts.inc()
@@ -181,7 +186,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._started[rid] = None
         while len(self._started) > STARTED_REMEMBERED:
             self._started.popitem(last=False)
-        return _Run(params, carried, stream, rung, span, submitted, reply_to)
+        return _Run(request, params, carried, stream, rung, span, submitted, reply_to)
 
     def on_express(self, message: prefill_pb2.ExpressPrefill, reply_to: bytes) -> None:
         """An express datagram (common/serving/express.py), on the event loop: start its prompt
@@ -197,18 +202,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         # A refused prompt's error is the call's to report; retrieved here so that a run no
         # call adopts does not log it as never retrieved.
         run.submitted.add_done_callback(lambda f: f.cancelled() or f.exception())
-        wait = max(0.0, min(message.timeout_s or ADOPT_WITHIN_S, ADOPT_WITHIN_S))
-        run.expiry = asyncio.get_running_loop().call_later(wait, self._expire, rid)
+        run.expiry_s = max(0.0, min(message.timeout_s or ADOPT_WITHIN_S, ADOPT_WITHIN_S))
+        run.expiry = asyncio.get_running_loop().call_later(run.expiry_s, self._expire, rid)
         self.express[rid] = run
 
     def _expire(self, rid: str) -> None:
-        """An express start no call adopted: drop it and whatever it holds."""
+        """An express start no call adopted in time."""
         run = self.express.pop(rid, None)
-        if run is None:
-            return
-        log.warning("request %s: started by the express lane, but no Prefill call came within "
-                    "%.1f s: aborted", rid, ADOPT_WITHIN_S)
-        tracing.failed(run.span, "no Prefill call adopted the express start")
+        if run is not None:
+            self._drop(run, rid, f"no Prefill call came within {run.expiry_s:.1f} s")
+
+    def _drop(self, run: _Run, rid: str, why: str) -> None:
+        """An express start no call will adopt: aborted, which frees whatever it holds."""
+        log.warning("request %s: started by the express lane, but %s: aborted", rid, why)
+        if run.expiry is not None:
+            run.expiry.cancel()
+        tracing.failed(run.span, f"express start dropped: {why}")
         run.span.end()
         self.instance.loop.abort(rid)
 

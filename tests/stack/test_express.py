@@ -63,21 +63,34 @@ def prefill_address(cluster: Cluster) -> str:
     return info.address
 
 
-def express(cluster: Cluster, rid: str, timeout_s: float, max_tokens: int = 4) -> socket.socket:
+def prefill_request(cluster: Cluster, rid: str, max_tokens: int = 4,
+                    prompt: int = 7) -> prefill_pb2.PrefillRequest:
+    (decode,) = cluster.registry.list_instances("decode")
+    return prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=list(request(prompt).prompt_token_ids.ids),
+        params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                        ignore_eos=True),
+        decode_instance_id=decode.instance_id, decode_address=decode.address)
+
+
+def express(cluster: Cluster, rid: str, timeout_s: float, max_tokens: int = 4,
+            prompt: int = 7) -> socket.socket:
     """Send an ExpressPrefill for rid to the prefill service, as a gateway would; the socket
     the reply comes to."""
-    (decode,) = cluster.registry.list_instances("decode")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(f"\0splitserve-test-express/{rid}".encode())
     sock.settimeout(10)
     sock.sendto(prefill_pb2.ExpressPrefill(
-        request=prefill_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=list(request(7).prompt_token_ids.ids),
-            params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                            ignore_eos=True),
-            decode_instance_id=decode.instance_id, decode_address=decode.address),
-        timeout_s=timeout_s).SerializeToString(), listen_name(prefill_address(cluster)))
+        request=prefill_request(cluster, rid, max_tokens, prompt), timeout_s=timeout_s,
+    ).SerializeToString(), listen_name(prefill_address(cluster)))
     return sock
+
+
+def first_tokens(cluster: Cluster, request: prefill_pb2.PrefillRequest) -> list[int]:
+    """The first token of each message of a Prefill call (one message: max_tokens=1)."""
+    with grpc.insecure_channel(prefill_address(cluster)) as channel:
+        return [m.first_token_id for m in prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
+            request, timeout=30)]
 
 
 def test_requests_take_the_lane_with_the_tokens_of_a_gateway_without_it(cluster):
@@ -124,14 +137,25 @@ def test_an_abort_before_the_call_frees_the_start(cluster):
     assert cluster.wait_idle(5) == {}  # well before its 60 s
 
 
+def test_a_call_with_another_request_than_its_datagram_starts_its_own(cluster):
+    express(cluster, "mismatch-1", timeout_s=60.0, max_tokens=1, prompt=7).close()
+    wait_until("the express start", lambda: cluster.stats()[
+        cluster.instance_ids["prefill-0"]].num_used_blocks, 10)
+    got = first_tokens(cluster, prefill_request(cluster, "mismatch-1", max_tokens=1, prompt=9))
+    assert len(got) == 1 and got == first_tokens(
+        cluster, prefill_request(cluster, "direct-9", max_tokens=1, prompt=9))
+    assert got != first_tokens(cluster, prefill_request(cluster, "direct-7", max_tokens=1,
+                                                        prompt=7))  # prompt 7 differs
+    assert "mismatch-1: started by the express lane, but its Prefill call carried another " \
+        "request" in cluster.logs(["prefill-0"])
+    assert cluster.wait_idle(5) == {}
+
+
 def test_a_datagram_after_its_call_is_dropped(cluster):
-    (decode,) = cluster.registry.list_instances("decode")
     with grpc.insecure_channel(prefill_address(cluster)) as channel:
         stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-        messages = list(stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id="late-1", prompt_token_ids=list(request(7).prompt_token_ids.ids),
-            params=types_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-            decode_instance_id=decode.instance_id, decode_address=decode.address), timeout=30))
+        messages = list(stub.Prefill(prefill_request(cluster, "late-1", max_tokens=1),
+                                     timeout=30))
     assert len(messages) == 1 and messages[0].finish_reason
     sock = express(cluster, "late-1", timeout_s=0.5, max_tokens=1)
     sock.settimeout(1.5)
