@@ -60,6 +60,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.instance.num_inflight += 1
         finished = False
         joined = None
+
+        def end_span() -> None:
+            if joined is not None:
+                tracing.record("decode.generate", span, joined, time.monotonic())
+            span.end()
+
         try:
             outputs = list(request.output_token_ids)
             taken = await self._take_over(request, prompt, params, stream, outputs)
@@ -100,9 +106,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 started.add(out.index)
                 finished = out.last
                 if finished:  # the span ends before the last message: a caller that cancels
-                    # once it has it may stop this generator at the yield, or never resume it
-                    tracing.record("decode.generate", span, joined, time.monotonic())
-                    span.end()
+                    end_span()  # once it has it may stop this generator at the yield for good
                 yield decode_pb2.DecodeResponse(
                     token_ids=out.new_token_ids, text=text,
                     finish_reason=FINISH_TO_PB[out.finish_reason if out.finished else None],
@@ -119,9 +123,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise
         finally:
             if span.is_recording():
-                if joined is not None:
-                    tracing.record("decode.generate", span, joined, time.monotonic())
-                span.end()
+                end_span()
             self.instance.num_inflight -= 1
             if not finished:
                 loop.abort(rid)

@@ -151,17 +151,14 @@ class _PrefillCall(_DecodeCall):
         self._pending = first = asyncio.ensure_future(first_message())
         first.add_done_callback(_retrieve)
         await asyncio.wait((first, self.express), return_when=asyncio.FIRST_COMPLETED)
-        if self.express.done() and not self.express.cancelled():
+        by_express = self.express.done() and not self.express.cancelled()
+        if by_express:
             yield self.express.result()
-            msg = await first  # the call's copy of it: dropped
-            self._pending = None
-            if msg is None:
-                return
-        else:
-            msg = await first
-            self._pending = None
-            if msg is None:
-                return
+        msg = await first  # after an express reply, the call's copy of it: dropped
+        self._pending = None
+        if msg is None:
+            return
+        if not by_express:
             yield msg
         async for msg in messages:
             yield msg

@@ -55,7 +55,6 @@ class _Run:
     rung: dict[str, tuple[HandoffDescriptor, bool]]
     span: tracing.Span
     submitted: asyncio.Future[None]
-    reply_to: bytes | None  # an express start's gateway, sent the first token
     expiry: asyncio.TimerHandle | None = None  # an express start: aborted if no call adopts it
     expiry_s: float = 0.0
 
@@ -149,10 +148,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 loop.abort(rid)
 
     def _start(self, request: prefill_pb2.PrefillRequest, trace_metadata,
-               reply_to: bytes | None = None) -> _Run:
+               reply_to: bytes = b"") -> _Run:
         """Validate the request and submit its prompt (the engine's verdict comes in
-        `submitted`). reply_to: an express start's gateway, sent the first token from the
-        engine thread (not with prompt_logprobs, which may span several outputs)."""
+        `submitted`). reply_to: an express start's gateway (b"": none), sent the first token
+        from the engine thread (not with prompt_logprobs, which may span several outputs)."""
         rid = request.request_id
         if not rid:
             raise InvalidRequestError("request_id must not be empty")
@@ -168,9 +167,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         sink = (self._ringing(rid, params, carried, len(prompt), request.decode_address, stream,
                               rung) if self.source.pool.is_cuda and self.source.shards is None
                 else stream)
-        if reply_to is not None and params.prompt_logprobs is not None:
-            reply_to = None
-        if reply_to:
+        if reply_to and params.prompt_logprobs is None:
             sink = self._replying(rid, params, carried, reply_to, sink)
         span = tracing.start("prefill", tracing.context_from(trace_metadata),
                              kind=tracing.SpanKind.SERVER,
@@ -186,7 +183,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._started[rid] = None
         while len(self._started) > STARTED_REMEMBERED:
             self._started.popitem(last=False)
-        return _Run(request, params, carried, stream, rung, span, submitted, reply_to)
+        return _Run(request, params, carried, stream, rung, span, submitted)
 
     def on_express(self, message: prefill_pb2.ExpressPrefill, reply_to: bytes) -> None:
         """An express datagram (common/serving/express.py), on the event loop: start its prompt
@@ -196,7 +193,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return
         try:
             run = self._start(message.request, [("traceparent", message.traceparent)]
-                              if message.traceparent else [], reply_to or None)
+                              if message.traceparent else [], reply_to)
         except Exception:  # the Prefill call reports it
             return
         # A refused prompt's error is the call's to report; retrieved here so that a run no
@@ -243,7 +240,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """The engine's sink for an express start: the first token goes to the gateway from the
         engine thread the moment it is sampled, then on to `sink`."""
         def replying(out) -> None:
-            if (self.lane is not None and not isinstance(out, BaseException) and out.finished
+            if (not isinstance(out, BaseException) and out.finished
                     and len(out.output_token_ids) > len(carried)):
                 try:
                     self.lane.reply(reply_to, self._first_response(rid, out, params, carried))
