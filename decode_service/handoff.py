@@ -56,6 +56,7 @@ from common.errors import (
     TransferError,
 )
 from common.kv_transport.blocks import handoff_bytes
+from common.kv_transport.checksum import prepare
 from common.kv_transport.select import KVReceiver
 from common.registry import HandoffDescriptor, Registry
 from common.serving import tracing
@@ -119,6 +120,7 @@ class HandoffInbox:
         self.wait_s = wait_s
         self.peer_check_s = peer_check_s
         self.receiver = KVReceiver(timeout_s=timeout_s, tls=tls)
+        prepare(loop.engine.kv_cache)  # the CPU checksum kernel built now, not on a handoff
         # Transports keep per-source state and are used by one thread at a time.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self.slots: dict[str, _Slot] = {}

@@ -20,6 +20,7 @@ import torch
 
 from common.engine.uploads import to_device
 from common.kv_transport.blocks import BLOCK_AXIS, check_pool
+from kernels import block_sums_cpu
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 _MASK = (1 << 64) - 1
@@ -30,7 +31,8 @@ def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
     """Checksum of pool's blocks block_ids, in that order (pool: [layers, 2, blocks, ...]).
 
     On a GPU: one upload of the ids, one kernel, one read of the [n, 2] sums (the step's only
-    sync); the weighting and the sum run here, on n pairs of ints."""
+    sync); on a CPU one pass of our C++ kernel on this thread (kernels/block_sums_cpu.py), else
+    torch ops; the weighting and the sum run here, on n pairs of ints."""
     check_pool(pool)
     if (pool.shape[-1] * pool.element_size()) % 4:
         raise ValueError(f"head_dim * itemsize must be a multiple of 4 bytes, pool {pool.shape}")
@@ -39,9 +41,18 @@ def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
         from kernels.block_sums import block_sums  # CPU-only processes never load Triton
         with torch.cuda.device(pool.device):  # Triton launches on the current device
             sums = block_sums(pool, index)
+    elif block_sums_cpu.serves(pool):
+        sums = block_sums_cpu.block_sums(pool, index)
     else:
         sums = block_sums_torch(pool, index)
     return combine(sums.tolist())
+
+
+def prepare(pool: torch.Tensor) -> None:
+    """Builds the CPU kernel now if pool is a CPU pool (a service's start-up), so that the first
+    handoff does not wait for a compiler."""
+    if pool.device.type == "cpu":
+        block_sums_cpu.available()
 
 
 def combine(sums: Sequence[Sequence[int]]) -> int:

@@ -25,7 +25,7 @@ from common.kv_transport.blocks import (
     dtype_name,
     transfer_stream,
 )
-from common.kv_transport.checksum import kv_checksum
+from common.kv_transport.checksum import kv_checksum, prepare
 from common.kv_transport.locality import host_id
 from common.kv_transport.shm import SharedMemoryPool
 from common.registry.records import HandoffDescriptor
@@ -52,6 +52,7 @@ class KVSource:
         serves KVTransferService ("" = no grpc offer). shm: the allocator that made pool, if any.
         host: override for locality.host_id()."""
         check_pool(pool)
+        prepare(pool)  # the CPU checksum kernel built now, not on the first handoff
         if shm is not None and shm.tensor is not pool:
             raise ValueError("shm did not allocate this pool")
         self.instance_id = instance_id

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common.kv_transport.checksum import block_sums_torch, kv_checksum
+from kernels import block_sums_cpu
 from kernels.block_sums import block_sums, copy_block_sums
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -61,3 +62,18 @@ def test_checksum_same_on_gpu_and_cpu():
     pool = torch.randn(4, 2, 20, 16, 8, 128, dtype=torch.bfloat16)
     ids = [3, 17, 0, 9]
     assert kv_checksum(pool.cuda(), ids) == kv_checksum(pool, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_cpu_kernel_equals_torch(dtype: torch.dtype):
+    """kernels.block_sums_cpu (the CPU checksum's path) against the torch ops, bit for bit,
+    including sums that wrap and blocks listed twice."""
+    assert block_sums_cpu.available()
+    torch.manual_seed(2)
+    pool = (torch.randn(3, 2, 9, 4, 2, 16) * 1e30).to(dtype)
+    ids = torch.tensor([5, 0, 8, 5, 2], dtype=torch.int64)
+    assert torch.equal(block_sums_cpu.block_sums(pool, ids), block_sums_torch(pool, ids))
+    assert block_sums_cpu.block_sums(pool, ids[:0]).shape == (0, 2)
+    assert block_sums_cpu.serves(pool) and not block_sums_cpu.serves(pool.transpose(0, 1))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        block_sums_cpu.block_sums(pool, torch.tensor([9]))

@@ -1,0 +1,65 @@
+"""The KV checksum's per-block sums on the CPU (block_sums_cpu.cpp), read in place from the pool
+on the calling thread. The reference, and the path when this does not build, is
+common.kv_transport.checksum.block_sums_torch (tests/kernels/test_block_sums.py compares them).
+
+One thread, on purpose: the sums run on the handoff's critical path, beside an engine that keeps
+both cores busy. The torch path's gather, widen and reduce are OpenMP regions of two threads,
+and with another process on a core they wait on each other (four SmolLM2 blocks: 1.8 ms on one
+thread, 92 ms on two under load, 2026-12-03, AVX2 box). This reads each block's words once, no
+gather and no scratch: a 64-token SmolLM2 prompt (4 blocks, 2.9 MiB) in the figures of
+bench/RESULTS.md's tenth-session section.
+
+Compiled on first use for this CPU (-march=native) and cached on disk (kernels.cpu_build); the
+services build it at start-up (`available()` from the KV source and the decode's inbox), not on
+their first handoff.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_build import cpu_tag, load
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+
+
+@functools.cache
+def available() -> bool:
+    """The kernel is built (now, if it was not) and gives the reference's sums here."""
+    if os.name != "posix" or not SOURCE.is_file():
+        return False
+    try:
+        load(f"splitserve_block_sums_{cpu_tag()}", SOURCE, ["-O3", "-march=native"])
+        return _self_check()
+    except (OSError, RuntimeError, ImportError, AssertionError) as e:
+        log.warning("the CPU block sums kernel is not available (%s): the checksum runs torch "
+                    "ops", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+
+
+def _self_check() -> bool:
+    from common.kv_transport.checksum import block_sums_torch
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(3, 2, 5, 4, 2, 8, generator=g)
+    index = torch.tensor([4, 0, 2], dtype=torch.long)
+    return torch.equal(block_sums(pool, index), block_sums_torch(pool, index))
+
+
+def serves(pool: torch.Tensor) -> bool:
+    """Whether block_sums takes this pool (else: the torch path)."""
+    return pool.device.type == "cpu" and pool.is_contiguous() and available()
+
+
+def block_sums(pool: torch.Tensor,    # [layers, 2, blocks, ...] contiguous, any dtype
+               index: torch.Tensor,   # [n] int64 block ids
+               ) -> torch.Tensor:     # [n, 2] int64: sum of words, sum of squared words
+    out = torch.empty(index.numel(), 2, dtype=torch.int64)
+    torch.ops.splitserve_block_sums.block_sums(pool, index.contiguous(), out)
+    return out
