@@ -114,7 +114,7 @@ def test_bf16_without_onednn_bf16_through_small_linear() -> None:
 
 def test_small_rows_through_onednn_linear() -> None:
     """OneDnnLinear takes a few rows through small_linear, more through oneDNN; a bf16 weight
-    packed in float32 (a bf16 model's logits) gives float32 either way."""
+    marked by wide_output (a bf16 model's logits, packed in float32) gives float32 either way."""
     from common.models.ops_onednn import OneDnnLinear, onednn_bf16_available
     if not (onednn_bf16_available() and cpu_layer_ops.bf16_dot_available()):
         pytest.skip("no bf16 oneDNN or kernel here")
@@ -123,6 +123,8 @@ def test_small_rows_through_onednn_linear() -> None:
     for dtype, packed_dtype in ((torch.float32, None), (torch.bfloat16, None),
                                 (torch.bfloat16, torch.float32)):
         w = torch.randn(500, 64, generator=g).to(dtype)
+        if packed_dtype is not None:
+            linear.wide_output(w)
         linear.pack(w, packed_dtype)
         want = packed_dtype or dtype
         for rows in (2, 20):

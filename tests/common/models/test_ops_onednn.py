@@ -130,11 +130,13 @@ def test_bf16_matches_f_linear(rows: int) -> None:
 
 
 @needs_bf16
-def test_bf16_weight_packed_in_float32_gives_float32() -> None:
+def test_bf16_weight_marked_wide_gives_float32() -> None:
+    """A bf16 model's logits weight (wide_output, packed in float32) gives float32 logits."""
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(100, 64, generator=g).bfloat16()
     x = torch.randn(5, 64, generator=g).bfloat16()
     linear = OneDnnLinear()
+    linear.wide_output(weight)
     linear.pack(weight, torch.float32)
     _close(linear(x, weight, None), F.linear(x.float(), weight.float()))
 
