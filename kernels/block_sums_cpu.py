@@ -1,5 +1,6 @@
 """The KV checksum's per-block sums on the CPU (block_sums_cpu.cpp), read in place from the pool
-on the calling thread. The reference, and the path when this does not build, is
+on the calling thread, and a handoff's copy with them in one pass (copy_block_sums: the shm
+transport's pull). The reference, and the path when this does not build, is
 common.kv_transport.checksum.block_sums_torch (tests/kernels/test_block_sums.py compares them).
 
 One thread, on purpose: the sums run on the handoff's critical path, beside an engine that keeps
@@ -49,7 +50,11 @@ def _self_check() -> bool:
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(3, 2, 5, 4, 2, 8, generator=g)
     index = torch.tensor([4, 0, 2], dtype=torch.long)
-    return torch.equal(block_sums(pool, index), block_sums_torch(pool, index))
+    dst = torch.zeros(3, 2, 4, 4, 2, 8)
+    copied = copy_block_sums(pool, dst, index, torch.tensor([1, 3, 0]))
+    want = block_sums_torch(pool, index)
+    return (torch.equal(block_sums(pool, index), want) and torch.equal(copied, want)
+            and torch.equal(dst[:, :, [1, 3, 0]], pool[:, :, [4, 0, 2]]))
 
 
 def serves(pool: torch.Tensor) -> bool:
@@ -62,4 +67,17 @@ def block_sums(pool: torch.Tensor,    # [layers, 2, blocks, ...] contiguous, any
                ) -> torch.Tensor:     # [n, 2] int64: sum of words, sum of squared words
     out = torch.empty(index.numel(), 2, dtype=torch.int64)
     torch.ops.splitserve_block_sums.block_sums(pool, index.contiguous(), out)
+    return out
+
+
+def copy_block_sums(src: torch.Tensor,      # [layers, 2, blocks_src, ...] contiguous
+                    dst: torch.Tensor,      # [layers, 2, blocks_dst, ...] contiguous, src's dtype
+                    src_ids: torch.Tensor,  # [n] int64
+                    dst_ids: torch.Tensor,  # [n] int64, distinct
+                    ) -> torch.Tensor:      # [n, 2] int64: block_sums of what was copied
+    """dst[:, :, dst_ids[j]] = src[:, :, src_ids[j]], and each copied block's sums from the
+    words as they were read: one pass, one thread."""
+    ids = torch.stack((src_ids.to(torch.long), dst_ids.to(torch.long)))
+    out = torch.empty(ids.shape[1], 2, dtype=torch.int64)
+    torch.ops.splitserve_block_sums.copy_block_sums(src, dst, ids, out)
     return out

@@ -23,7 +23,9 @@ import torch
 from common.errors import TransferError
 from common.kv_transport.base import KVTransport, check_source
 from common.kv_transport.blocks import copy_blocks, dtype_from_name, dtype_name
+from common.kv_transport.checksum import combine
 from common.registry.records import HandoffDescriptor
+from kernels import block_sums_cpu
 
 
 class SharedMemoryPool:
@@ -109,10 +111,21 @@ class ShmTransport(KVTransport):
         return pool
 
     def _pull(self, desc: HandoffDescriptor, info: dict[str, Any], dst_pool: torch.Tensor,
-              dst_block_ids: list[int], timeout_s: float) -> None:
+              dst_block_ids: list[int], timeout_s: float) -> int | None:
+        """On a CPU pool of the source's dtype: the copy and the checksum of the words it
+        copies in one pass on this thread (kernels.block_sums_cpu.copy_block_sums), where
+        torch's copy and then the checksum read everything twice on two OpenMP threads; else
+        the copy, then pull()'s checksum."""
         src = self._source(info)
         check_source(desc, src)
+        if (src.dtype == dst_pool.dtype and block_sums_cpu.serves(src)
+                and block_sums_cpu.serves(dst_pool)):
+            sums = block_sums_cpu.copy_block_sums(
+                src, dst_pool, torch.tensor(desc.block_ids, dtype=torch.long),
+                torch.tensor(dst_block_ids, dtype=torch.long))
+            return combine(sums.tolist())
         copy_blocks(src, desc.block_ids, dst_pool, dst_block_ids)
+        return None
 
     def close(self) -> None:
         self._pools.clear()

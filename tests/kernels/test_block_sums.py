@@ -77,3 +77,22 @@ def test_cpu_kernel_equals_torch(dtype: torch.dtype):
     assert block_sums_cpu.serves(pool) and not block_sums_cpu.serves(pool.transpose(0, 1))
     with pytest.raises(RuntimeError, match="outside the pool"):
         block_sums_cpu.block_sums(pool, torch.tensor([9]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_copy_block_sums_copies_and_sums_what_it_copied(dtype: torch.dtype):
+    torch.manual_seed(3)
+    src = (torch.randn(3, 2, 9, 4, 2, 16) * 1e3).to(dtype)
+    dst = torch.zeros(3, 2, 12, 4, 2, 16, dtype=dtype)
+    src_ids, dst_ids = [5, 0, 8, 2], [11, 3, 4, 0]
+    got = block_sums_cpu.copy_block_sums(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids))
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(dst[:, :, d].view(torch.uint8), src[:, :, s].view(torch.uint8))
+    untouched = [b for b in range(12) if b not in dst_ids]
+    assert not dst[:, :, untouched].view(torch.uint8).any()
+    assert torch.equal(got, block_sums_torch(src, torch.tensor(src_ids)))
+    with pytest.raises(RuntimeError, match="destination block id 12"):
+        block_sums_cpu.copy_block_sums(src, dst, torch.tensor([0]), torch.tensor([12]))
+    with pytest.raises(RuntimeError, match="differ outside the block axis"):
+        block_sums_cpu.copy_block_sums(src, torch.zeros(3, 2, 12, 4, 2, 8, dtype=dtype),
+                                       torch.tensor([0]), torch.tensor([1]))
