@@ -75,3 +75,21 @@ def paged_decode_attention(q: torch.Tensor,             # [n, heads, head_dim], 
     """kernels.torch_ops.paged_attention_decode into out, in float32 (bf16 in and out)."""
     torch.ops.splitserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                     scale, out)
+
+
+def paged_extend_attention(q: torch.Tensor,                # [T, heads, head_dim], rows strided
+                           k_cache: torch.Tensor,          # [num_blocks, block_size, kv_heads, head_dim]
+                           v_cache: torch.Tensor,
+                           block_tables: torch.Tensor,     # [B, max_blocks] int32
+                           query_start_loc: torch.Tensor,  # [B + 1] int32, offsets into T
+                           seq_lens: torch.Tensor,         # [B] int32, context incl. new tokens
+                           first_seq: int,
+                           scale: float,
+                           out: torch.Tensor,              # q's shape, rows strided; written
+                           ) -> None:
+    """kernels.torch_ops.paged_attention_extend of sequences first_seq .. B - 1 into their rows
+    of out (the rows of the others are left as they are), in float32 with an online softmax,
+    reading the contexts in place from the pool."""
+    torch.ops.splitserve_cpu.paged_extend_attention(q, k_cache, v_cache, block_tables,
+                                                    query_start_loc, seq_lens, first_seq, scale,
+                                                    out)

@@ -46,8 +46,8 @@ def test_matches_reference(d: int, heads: int, kvh: int, dtype: torch.dtype) -> 
 
 
 def test_backend_mixed_step() -> None:
-    """A step of three decodes then two prefill chunks: the decodes go to the kernel, the
-    chunks to the gathered path; every row matches the reference."""
+    """A step of three decodes then two prefill chunks: the decodes go to the decode kernel, the
+    chunks to the extend kernel; every row matches the reference."""
     g = torch.Generator().manual_seed(1)
     bs, kvh, heads, d = 16, 3, 9, 64
     k, v = _pool(64, bs, kvh, d, torch.float32, g)
@@ -67,3 +67,32 @@ def test_backend_mixed_step() -> None:
     ref = paged_attention_extend(q, k, v, tables, qsl, meta.seq_lens, d ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert sum(q_lens) == q.shape[0]
+
+
+@pytest.mark.parametrize("d,heads,kvh", [(64, 9, 3), (128, 4, 4), (32, 8, 1), (256, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_matches_reference(d: int, heads: int, kvh: int, dtype: torch.dtype) -> None:
+    """The extend kernel on chunks with and without a cached prefix (tiles of 16 tokens cut
+    across blocks, contexts ending mid-block beside NaN slots), from the third sequence on: the
+    rows of the first two are not written."""
+    g = torch.Generator().manual_seed(d + heads)
+    bs, num_blocks = 16, 200
+    k, v = _pool(num_blocks, bs, kvh, d, dtype, g)
+    k[0].fill_(float("nan"))  # never read: block 0 is in no table
+    v[0].fill_(float("nan"))
+    q_lens, lens = [1, 1, 20, 7, 1, 33, 16, 17], [40, 5, 20, 50, 3, 100, 16, 300]
+    tables = torch.zeros(len(lens), 20, dtype=torch.int32)
+    used = iter((torch.randperm(num_blocks - 1, generator=g) + 1).tolist())
+    for b, n in enumerate(lens):
+        for j in range(-(-n // bs)):
+            tables[b, j] = next(used)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    t = sum(q_lens)
+    q = torch.randn(t, heads * d + 8, generator=g).to(dtype)[:, :heads * d].view(t, heads, d)
+    out = torch.zeros(t, heads, d, dtype=dtype)
+    cpu_decode_attention.paged_extend_attention(q, k, v, tables, qsl, seq_lens, 2, d ** -0.5, out)
+    ref = paged_attention_extend(q.float(), k.float(), v.float(), tables, qsl, seq_lens, d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[2:].float(), ref[2:], atol=tol, rtol=tol)
+    assert not out[:2].any()
