@@ -4,6 +4,11 @@
 // rms_norm, silu_and_mul, apply_rotary and store_kv (the same roundings: float32 math, the
 // result rounded once to the tensors' dtype where the reference rounds it).
 //
+// Loads, stores and the roundings to bf16 run 16 lanes at a time (bf16 rounded to nearest even
+// in integer lanes, as c10::BFloat16): 1 thread, AVX-512 box, [2048, 576] add + norm 0.36-0.56 ms
+// against 1.9 (bf16) and 6.2 (fp32) with a conversion per element; silu * up of [2048, 2 x 1536]
+// 2.3-2.7 ms against 2.8 (fp32) and 5.7 (bf16); at 32 rows (bf16) 15 / 42 us against 36 / 89.
+//
 // Rows are split among threads only where there are many of them (a prefill's), so that a
 // decode step's few rows take no OpenMP region (on a busy box a region waits for a thread that
 // is not running).
@@ -61,12 +66,34 @@ inline vfloat vexp(vfloat x) {
   return p * reinterpret_cast<vfloat>(scale);
 }
 
-template <typename T>
-inline vfloat loadv(const T* p) {
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vushort __attribute__((vector_size(32)));
+
+// 16 values widened to float32, and float32 lanes rounded to T and stored: bf16 is a float's
+// upper half, rounded to nearest even with NaN as 0x7FC0, as c10::BFloat16's conversion.
+inline vfloat loadv(const float* p) {
   vfloat v;
-  for (int l = 0; l < LANES; ++l) v[l] = to_f(p[l]);
+  std::memcpy(&v, p, sizeof v);
   return v;
 }
+inline vfloat loadv(const c10::BFloat16* p) {
+  vushort h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vfloat>(__builtin_convertvector(h, vuint) << 16);
+}
+inline vuint bf16_bits(vfloat v) {  // the rounded bf16 in each lane's upper half
+  const vuint b = reinterpret_cast<vuint>(v);
+  const vuint r = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000u;
+  return v != v ? vuint{} + 0x7FC00000u : r;
+}
+inline void storev(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline void storev(c10::BFloat16* p, vfloat v) {
+  const vushort h = __builtin_convertvector(bf16_bits(v) >> 16, vushort);
+  std::memcpy(p, &h, sizeof h);
+}
+// v rounded to T and widened back (static_cast<T> then to float, 16 lanes at once)
+inline vfloat roundv(vfloat v, float) { return v; }
+inline vfloat roundv(vfloat v, c10::BFloat16) { return reinterpret_cast<vfloat>(bf16_bits(v)); }
 
 // (x [T, H] (+ residual [T, H])) -> normed [T, H], new residual [T, H]; as torch_ops.rms_norm.
 template <typename T, typename W>
@@ -76,24 +103,34 @@ void add_rms_norm(const T* x, const T* res, const W* w, float eps, T* normed, T*
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
       T* sr = new_res + r * h;
+      const T* rr = res ? res + r * res_stride : nullptr;
       vfloat acc{};
       int64_t i = 0;
-      for (; i < h; ++i) {  // the add in T, as the reference's x + residual
-        sr[i] = res ? static_cast<T>(to_f(xr[i]) + to_f(res[r * res_stride + i])) : xr[i];
-      }
-      for (i = 0; i + LANES <= h; i += LANES) {
-        const vfloat f = loadv(sr + i);
+      for (; i + LANES <= h; i += LANES) {  // the add in T, as the reference's x + residual
+        const vfloat f = roundv(rr ? loadv(xr + i) + loadv(rr + i) : loadv(xr + i), T{});
+        storev(sr + i, f);
         acc += f * f;
       }
       float ss = 0.f;
       for (int l = 0; l < LANES; ++l) ss += acc[l];
-      for (; i < h; ++i) ss += to_f(sr[i]) * to_f(sr[i]);
+      for (; i < h; ++i) {
+        sr[i] = rr ? static_cast<T>(to_f(xr[i]) + to_f(rr[i])) : xr[i];
+        ss += to_f(sr[i]) * to_f(sr[i]);
+      }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
       T* nr = normed + r * h;
-      for (int64_t i = 0; i < h; ++i) {
+      for (i = 0; i + LANES <= h; i += LANES) {
+        const vfloat n = loadv(sr + i) * inv;
+        if constexpr (std::is_same_v<T, W>) {
+          storev(nr + i, roundv(n, T{}) * loadv(w + i));  // rounded, then * w
+        } else {
+          storev(nr + i, loadv(w + i) * n);
+        }
+      }
+      for (; i < h; ++i) {
         const float n = to_f(sr[i]) * inv;
         if constexpr (std::is_same_v<T, W>) {
-          nr[i] = static_cast<T>(to_f(static_cast<T>(n)) * to_f(w[i]));  // rounded, then * w
+          nr[i] = static_cast<T>(to_f(static_cast<T>(n)) * to_f(w[i]));
         } else {
           nr[i] = static_cast<T>(to_f(w[i]) * n);
         }
@@ -141,8 +178,7 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t x_stride
       int64_t i = 0;
       for (; i + LANES <= n; i += LANES) {
         const vfloat a = loadv(g + i), e = vexp(-a), b = loadv(u + i);
-        for (int l = 0; l < LANES; ++l)
-          o[i + l] = static_cast<T>(to_f(static_cast<T>(a[l] / (1.0f + e[l]))) * b[l]);
+        storev(o + i, roundv(a / (1.0f + e), T{}) * b);
       }
       for (; i < n; ++i) {
         const float a = to_f(g[i]);
@@ -174,7 +210,14 @@ template <typename T>
 inline void rotate(const T* src, T* dst, const float* cs, int64_t half) {
   const float* cos = cs;
   const float* sin = cs + half;
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+  for (; i + LANES <= half; i += LANES) {
+    const vfloat x1 = loadv(src + i), x2 = loadv(src + i + half);
+    const vfloat c = loadv(cos + i), sn = loadv(sin + i);
+    storev(dst + i, x1 * c - x2 * sn);  // no FMA contraction in this build: as the reference
+    storev(dst + i + half, x2 * c + x1 * sn);
+  }
+  for (; i < half; ++i) {
     const float x1 = to_f(src[i]), x2 = to_f(src[i + half]);
     const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], e = x1 * sin[i];
     dst[i] = static_cast<T>(a - b);
