@@ -16,6 +16,10 @@ class DecodeServiceConfig(InstanceConfig):
     doorbell: bool = opt(True, "open a delivery doorbell, a Unix datagram socket through which "
                          "prefill services on this host start the KV pull without waiting for "
                          "a gRPC hop (common/serving/doorbell.py); never with TLS")
+    express: bool = opt(True, "send a stream's first message also as a Unix datagram to the "
+                        "gateway's express reply socket when the gateway is on this host and "
+                        "names one, from the engine's thread (common/serving/express.py); never "
+                        "with TLS")
     peer_check_s: float = opt(1.0, "while a request waits for its KV, how often the prefill "
                               "instance's registry record is checked; when it is gone the "
                               "reserved blocks are freed")

@@ -96,6 +96,7 @@ class _Slot:
     claimed: bool = False             # a delivery (call or doorbell) has begun on this slot
     admit: Callable[[Taken], Future] | None = None  # take()'s, called when the KV is verified
     ended: bool = False               # the Decode call left: nobody takes the blocks
+    reserve_ms: float = 0.0           # how long reserving took (Taken.reserve_ms)
 
 
 class _PullAttributes:
@@ -173,8 +174,8 @@ class HandoffInbox:
             self._drop(slot)
             raise
         slot.blocks = blocks
+        slot.reserve_ms = reserve_ms = 1e3 * (time.monotonic() - start)
         slot.reserved.set_result((blocks, after))
-        reserve_ms = 1e3 * (time.monotonic() - start)
         try:
             while True:
                 try:
@@ -293,7 +294,11 @@ class HandoffInbox:
         slot = self._slot(request_id)
         slot.claimed = True
         try:
-            blocks, after = await asyncio.wait_for(asyncio.shield(slot.reserved), self.wait_s)
+            if slot.reserved.done() and not slot.reserved.cancelled():
+                blocks, after = slot.reserved.result()  # the usual case: no loop turn here
+            else:
+                blocks, after = await asyncio.wait_for(asyncio.shield(slot.reserved),
+                                                       self.wait_s)
         except asyncio.CancelledError:
             if not slot.reserved.cancelled():
                 raise  # this call was cancelled
@@ -336,7 +341,7 @@ class HandoffInbox:
             log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
             slot.delivered.set_result(Taken(None, first_token_id, 0.0, handoff_ms, reason))
             return False, reason
-        taken = Taken(blocks, first_token_id, 0.0, handoff_ms,
+        taken = Taken(blocks, first_token_id, slot.reserve_ms, handoff_ms,
                       first_token_unix_s=first_token_unix_s)
         if slot.admit is not None:
             taken.admitted_unix_s = time.time()

@@ -11,6 +11,7 @@ from common.registry import Registry
 from common.serving import tracing
 from common.serving.datagram import open_listener
 from common.serving.doorbell import DoorbellListener
+from common.serving.express import ExpressReplier
 from common.serving.grpc_util import GrpcServer, Service, service_name
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics
@@ -34,7 +35,9 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     metrics = DecodeMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
     inbox = HandoffInbox(registry, instance.loop, config.pull_timeout_s, metrics,
                          wait_s=config.deliver_wait_s, peer_check_s=config.peer_check_s, tls=tls)
-    server.add(Service(DecodeServicer(instance, inbox, metrics),
+    # The engine thread's express replies to gateways of this host (plaintext only).
+    lane = ExpressReplier() if config.express and not tls.serves_tls else None
+    server.add(Service(DecodeServicer(instance, inbox, metrics, lane),
                        decode_pb2_grpc.add_DecodeServiceServicer_to_server,
                        service_name(decode_pb2, "DecodeService")))
     doorbell = _open_doorbell(config, tls, instance.address, inbox)
@@ -49,7 +52,8 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     finally:
         await instance.stop(server, config.server.shutdown_grace_s, [maintain],
                             close=[*([doorbell.close] if doorbell else []), inbox.close,
-                                   *([metrics_server.close] if metrics_server else [])])
+                                   *([metrics_server.close] if metrics_server else []),
+                                   *([lane.close] if lane else [])])
         tracing.shutdown()
     if instance.failure:  # stopped because the engine cannot step: exit 1, saying why
         raise SystemExit(f"{instance.kind} {instance.instance_id} stopped: {instance.failure}")

@@ -21,6 +21,7 @@ from common.errors import InvalidRequestError
 from common.registry import HandoffDescriptor
 from common.serving import tracing
 from common.serving.engine_loop import AsyncOutputStream
+from common.serving.express import ExpressReplier
 from common.serving.instance import ServiceInstance
 from common.serving.metrics import DecodeMetrics, StreamTimer
 from common.serving.proto_convert import (
@@ -36,11 +37,35 @@ from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 log = logging.getLogger("splitserve.decode")
 
 
+class _First:
+    """The handoff's figures that the stream's first message carries (zeros for a local
+    prefill), filled before the request reaches the engine, so that the engine thread's express
+    copy of that message says what the stream's does."""
+
+    def __init__(self, joined: float):
+        self.handoff_ms = self.reserve_ms = self.critical_ms = 0.0
+        self.joined = joined  # decode_ms of the express copy counts from here
+
+    def fill(self, taken: Taken) -> None:
+        self.handoff_ms, self.reserve_ms = taken.handoff_ms, taken.reserve_ms
+        # The critical path ends when the request, its KV in place and verified, is in the
+        # engine's command queue (it joins the next step): the inbox submitted it the moment
+        # the KV was verified (admitted), or the Decode call does now.
+        if taken.first_token_unix_s:
+            self.critical_ms = 1e3 * ((taken.admitted_unix_s or time.time())
+                                      - taken.first_token_unix_s)
+        self.joined = time.monotonic()
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, instance: ServiceInstance, inbox: HandoffInbox, metrics: DecodeMetrics):
+    def __init__(self, instance: ServiceInstance, inbox: HandoffInbox, metrics: DecodeMetrics,
+                 lane: ExpressReplier | None = None):
+        """lane: sends a stream's first message to the gateway's express reply socket when the
+        request names one (None: never; off with --no-express and under TLS)."""
         self.instance = instance
         self.inbox = inbox
         self.metrics = metrics
+        self.lane = lane
 
     async def Decode(self, request: decode_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -68,29 +93,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
         try:
             outputs = list(request.output_token_ids)
-            taken = await self._take_over(request, prompt, params, stream, outputs)
+            first = _First(start)  # what the stream's first message says of the handoff
+            sink = (self._express(rid, request, first, stream)
+                    if self.lane is not None and request.express_reply_to else stream)
+            taken = await self._take_over(request, prompt, params, sink, outputs, first)
             prefilled = (None if taken is None
                          else Prefilled(taken.block_ids, taken.first_token_id))
-            reserve_ms, handoff_ms = (0.0, 0.0) if taken is None else (taken.reserve_ms,
-                                                                       taken.handoff_ms)
-            # The critical path ends when the request, its KV in place and verified, is in
-            # the engine's command queue (it joins the next step): the inbox submitted it the
-            # moment the KV was verified (admitted), or this coroutine does now.
-            critical_ms = 0.0
-            if taken is not None and taken.first_token_unix_s:
-                critical_ms = 1e3 * ((taken.admitted_unix_s or time.time())
-                                     - taken.first_token_unix_s)
-            if critical_ms:
+            if taken is not None and first.critical_ms:
                 log.debug("handoff %s: critical path %.2f ms (first token -> queued here)", rid,
-                          critical_ms)
+                          first.critical_ms)
             if prefilled is not None:
-                reserved = start + reserve_ms / 1e3
+                reserved = start + taken.reserve_ms / 1e3
                 tracing.record("decode.reserve", span, start, reserved)
                 tracing.record("decode.wait_kv", span, reserved, time.monotonic(),
                                {"splitserve.recomputed": prefilled.block_ids is None})
             await asyncio.wrap_future(
                 taken.admitted if taken is not None and taken.admitted is not None
-                else loop.submit(rid, prompt, params, stream, prefilled, outputs))
+                else loop.submit(rid, prompt, params, sink, prefilled, outputs))
             # n > 1: each choice's messages carry its index; a choice's last message its
             # finish_reason; the stream ends after every choice's (out.last).
             joined = time.monotonic()
@@ -99,24 +118,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self.metrics.observe_tokens(timer, len(out.new_token_ids), time.monotonic())
                 if out.finished:
                     self.metrics.observe_finished(timer, out.metrics, time.monotonic())
-                first = not started
-                # The first token's text, as this engine's stop-string matcher saw it.
-                text = (out.text if out.index not in started
-                        and request.handoff.include_first_text else out.new_text)
+                message = self._response(out, request, first if not started else None,
+                                         out.index not in started, joined)
                 started.add(out.index)
                 finished = out.last
                 if finished:  # the span ends before the last message: a caller that cancels
                     end_span()  # once it has it may stop this generator at the yield for good
-                yield decode_pb2.DecodeResponse(
-                    token_ids=out.new_token_ids, text=text,
-                    finish_reason=FINISH_TO_PB[out.finish_reason if out.finished else None],
-                    num_cached_tokens=out.num_cached_tokens,
-                    handoff_ms=handoff_ms if first else 0.0,
-                    reserve_ms=reserve_ms if first else 0.0,
-                    handoff_critical_ms=critical_ms if first else 0.0,
-                    decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id,
-                    logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()],
-                    index=out.index, prompt_logprobs=prompt_logprobs_to_pb(out.prompt_logprobs))
+                yield message
         except BaseException as e:
             if not finished:  # cancelled after its last message: the request completed
                 tracing.failed(span, repr(e))
@@ -128,12 +136,53 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if not finished:
                 loop.abort(rid)
 
+    def _response(self, out, request: decode_pb2.DecodeRequest, first: _First | None,
+                  first_of_choice: bool, joined: float) -> decode_pb2.DecodeResponse:
+        """The stream's message for one engine output (any thread). first: the handoff's
+        figures, on the stream's first message only. first_of_choice: the output is its
+        choice's first, whose text is the whole text so far when the gateway asked for it (the
+        first token's text as this engine's stop-string matcher saw it)."""
+        return decode_pb2.DecodeResponse(
+            token_ids=out.new_token_ids,
+            text=(out.text if first_of_choice and request.handoff.include_first_text
+                  else out.new_text),
+            finish_reason=FINISH_TO_PB[out.finish_reason if out.finished else None],
+            num_cached_tokens=out.num_cached_tokens,
+            handoff_ms=first.handoff_ms if first else 0.0,
+            reserve_ms=first.reserve_ms if first else 0.0,
+            handoff_critical_ms=first.critical_ms if first else 0.0,
+            decode_ms=ms(time.monotonic() - joined), instance_id=self.instance.instance_id,
+            logprobs=[logprobs_to_pb(lp) for lp in out.logprobs or ()],
+            index=out.index, prompt_logprobs=prompt_logprobs_to_pb(out.prompt_logprobs))
+
+    def _express(self, rid: str, request: decode_pb2.DecodeRequest, first: _First,
+                 stream: AsyncOutputStream):
+        """The engine's sink for a request whose gateway listens on this host: the stream's
+        first message also goes to the gateway's express reply socket from the engine thread,
+        the moment it is sampled (common/serving/express.py), then everything on to stream."""
+        pending = True
+
+        def sink(out) -> None:
+            nonlocal pending
+            if pending and not isinstance(out, BaseException):
+                pending = False
+                try:
+                    if self.lane.reply(request.express_reply_to, rid, self._response(
+                            out, request, first, True, first.joined)):
+                        self.metrics.express_replies.inc()
+                except Exception:  # never into the engine loop: the stream carries it anyway
+                    log.exception("request %s: the express reply failed", rid)
+            stream(out)
+
+        return sink
+
     async def _take_over(self, request: decode_pb2.DecodeRequest, prompt: list[int],
-                         params: SamplingParams, stream: AsyncOutputStream,
-                         outputs: list[int]) -> Taken | None:
+                         params: SamplingParams, sink, outputs: list[int],
+                         first: _First) -> Taken | None:
         """Blocks reserved now, filled when the prefill service delivers: what the delivery
         brought, the request already submitted to the engine if the KV was verified
-        (Taken.admitted); None for a local prefill."""
+        (Taken.admitted); None for a local prefill. first: filled with the handoff's figures
+        before the request reaches the engine."""
         if request.WhichOneof("source") != "handoff":
             return None
         engine = self.instance.loop.engine
@@ -147,11 +196,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         # A failed delivery leaves block_ids None and is not admitted: the prompt is recomputed
         # here, and the first token stays an output (stop strings, penalties and seeds see what
         # they would have).
-        return await self.inbox.take(
-            rid, num_blocks, request.handoff.prefill_instance_id,
-            admit=lambda taken: loop.submit(rid, prompt, params, stream,
-                                            Prefilled(taken.block_ids, taken.first_token_id),
-                                            outputs))
+        def admit(taken: Taken):
+            first.fill(taken)
+            return loop.submit(rid, prompt, params, sink,
+                               Prefilled(taken.block_ids, taken.first_token_id), outputs)
+
+        taken = await self.inbox.take(rid, num_blocks, request.handoff.prefill_instance_id,
+                                      admit=admit)
+        if taken.admitted is None:  # recomputed here: submitted by the caller
+            first.fill(taken)
+        return taken
 
     async def Deliver(self, request: decode_pb2.DeliverRequest,
                       context: grpc.aio.ServicerContext) -> decode_pb2.DeliverResponse:

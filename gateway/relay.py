@@ -92,58 +92,27 @@ class _Progress:
 
 
 class _DecodeCall:
-    """A Decode call's messages; aclose() (also when never iterated) cancels the call, a no-op
-    after its end, and forgets it."""
+    """A call's messages, the first one from its express reply when that comes first (the call's
+    copy of it is then dropped: common/serving/express.py); aclose() (also when never iterated)
+    cancels the call, a no-op after its end, and forgets it. A Decode call's express reply is
+    the decode engine's first message."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, handle: Inflight):
+    def __init__(self, call: grpc.aio.UnaryStreamCall, handle: Inflight,
+                 client: ExpressClient | None = None, express: asyncio.Future | None = None):
         self.call = call
         self.handle = handle
-
-    async def __aiter__(self) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        async for msg in self.call:
-            yield msg
-
-    async def aclose(self) -> None:
-        if self.call in self.handle.calls:
-            self.handle.calls.remove(self.call)
-        self.call.cancel()
-
-
-# Prefill calls read to their end after their caller is done (_PrefillCall.aclose).
-_DRAINING: set[asyncio.Task] = set()
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    """A done callback: the outcome of a task nobody may await is retrieved (not logged)."""
-    if not task.cancelled():
-        task.exception()
-
-
-class _PrefillCall(_DecodeCall):
-    """A Prefill call's messages, the first one from the express reply when that comes first
-    (the call's copy of it is then dropped); counted in the router's load of `prefill` until
-    aclose()."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, handle: Inflight, prefill: InstanceInfo,
-                 router: Router, client: ExpressClient | None = None,
-                 express: asyncio.Future[prefill_pb2.PrefillResponse] | None = None):
-        super().__init__(call, handle)
-        self.prefill = prefill
-        self.router = router
         self.client = client
         self.express = express
-        self.rid = handle.internal_id
         self._pending: asyncio.Future | None = None  # the call's first message, still awaited
-        self.closed = False
 
-    async def __aiter__(self) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+    async def __aiter__(self) -> AsyncIterator:
         messages = aiter(self.call)
         if self.express is None:
             async for msg in messages:
                 yield msg
             return
 
-        async def first_message() -> prefill_pb2.PrefillResponse | None:
+        async def first_message():
             return await anext(messages, None)
 
         # Not cancelled when the caller stops early: that would end the call's message stream
@@ -163,13 +132,50 @@ class _PrefillCall(_DecodeCall):
         async for msg in messages:
             yield msg
 
+    def _forget(self) -> None:
+        if self.client is not None:
+            self.client.forget_decode(self.handle.internal_id)
+
+    async def aclose(self) -> None:
+        self._forget()
+        if self.call in self.handle.calls:
+            self.handle.calls.remove(self.call)
+        self.call.cancel()
+
+
+# Prefill calls read to their end after their caller is done (_PrefillCall.aclose).
+_DRAINING: set[asyncio.Task] = set()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A done callback: the outcome of a task nobody may await is retrieved (not logged)."""
+    if not task.cancelled():
+        task.exception()
+
+
+class _PrefillCall(_DecodeCall):
+    """A Prefill call's messages (the first one from the express reply when that comes first);
+    counted in the router's load of `prefill` until aclose()."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, handle: Inflight, prefill: InstanceInfo,
+                 router: Router, client: ExpressClient | None = None,
+                 express: asyncio.Future[prefill_pb2.PrefillResponse] | None = None):
+        super().__init__(call, handle, client, express)
+        self.prefill = prefill
+        self.router = router
+        self.rid = handle.internal_id
+        self.closed = False
+
+    def _forget(self) -> None:
+        if self.client is not None:
+            self.client.forget(self.rid)
+
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.router.release(self.prefill.instance_id)
-        if self.client is not None:
-            self.client.forget(self.rid)
+        self._forget()
         if (self.express is not None and self.express.done() and not self.express.cancelled()
                 and not self.call.done() and not self.handle.aborted):
             # The express reply came first and the caller is done (the first token ended the
@@ -378,15 +384,21 @@ class Relay:
 
     def _decode(self, req: PreparedRequest, handle: Inflight, decode: InstanceInfo,
                 source: dict, deadline: float) -> _DecodeCall:
-        """The Decode call, opened now (its request goes out at once), as its messages."""
+        """The Decode call, opened now (its request goes out at once), as its messages; on this
+        host its first message may come back as an express datagram as well."""
+        express = (None if self.express is None
+                   else self.express.expect_decode(handle.internal_id))
         call = self.instances.decode_stub(decode.address).Decode(
             decode_pb2.DecodeRequest(request_id=handle.internal_id,
                                      prompt_token_ids=req.prompt_token_ids,
                                      params=req.params_pb,
-                                     output_token_ids=req.output_token_ids, **source),
+                                     output_token_ids=req.output_token_ids,
+                                     express_reply_to=(self.express.decode_name
+                                                       if express is not None else b""),
+                                     **source),
             timeout=_remaining(deadline), metadata=tracing.metadata_for(handle.span))
         handle.calls.append(call)
-        return _DecodeCall(call, handle)
+        return _DecodeCall(call, handle, self.express if express is not None else None, express)
 
     def _abort_everywhere(self, handle: Inflight) -> None:
         """Tell every service the request reached to drop it (runs on after the client left)."""

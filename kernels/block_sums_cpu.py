@@ -1,7 +1,7 @@
 """The KV checksum's per-block sums on the CPU (block_sums_cpu.cpp), read in place from the pool
 on the calling thread, and a handoff's copy with them in one pass (copy_block_sums: the shm
-transport's pull). The reference, and the path when this does not build, is
-common.kv_transport.checksum.block_sums_torch (tests/kernels/test_block_sums.py compares them).
+transport's pull). The path when this does not build is common.kv_transport.checksum's torch
+ops; `reference` is the plain one (tests/kernels/test_block_sums.py compares all three).
 
 One thread, on purpose: the sums run on the handoff's critical path, beside an engine that keeps
 both cores busy. The torch path's gather, widen and reduce are OpenMP regions of two threads,
@@ -45,14 +45,22 @@ def available() -> bool:
         return False
 
 
+def reference(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """block_sums in plain torch, one block at a time (the tests' and the self-check's)."""
+    rows = []
+    for block in index.tolist():
+        words = pool[:, :, block].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        rows.append(torch.stack((words.sum(), (words * words).sum())))
+    return torch.stack(rows) if rows else torch.empty(0, 2, dtype=torch.int64)
+
+
 def _self_check() -> bool:
-    from common.kv_transport.checksum import block_sums_torch
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(3, 2, 5, 4, 2, 8, generator=g)
     index = torch.tensor([4, 0, 2], dtype=torch.long)
     dst = torch.zeros(3, 2, 4, 4, 2, 8)
     copied = copy_block_sums(pool, dst, index, torch.tensor([1, 3, 0]))
-    want = block_sums_torch(pool, index)
+    want = reference(pool, index)
     return (torch.equal(block_sums(pool, index), want) and torch.equal(copied, want)
             and torch.equal(dst[:, :, [1, 3, 0]], pool[:, :, [4, 0, 2]]))
 

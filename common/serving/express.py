@@ -20,6 +20,13 @@ Rules:
 - Same host and network namespace only (Linux abstract sockets named by the prefill service's
   gRPC address); plaintext stacks only: a datagram carries no credentials, so a prefill service
   serving TLS opens no express socket and a gateway dialling TLS sends none.
+
+The decode side has a lane for replies only: a Decode call names the gateway's decode reply
+socket (DecodeRequest.express_reply_to), and the decode engine's thread sends the stream's
+first message there as one datagram (ExpressDecodeReply) the moment its tokens are sampled,
+beside the stream's copy: the second token of a handed-off request (the first of a local
+prefill) skips the decode service's event loop and the gRPC hop (decode_service/servicer.py).
+The same rules hold: the stream is the contract, the datagram a hint, the first copy wins.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 
 from common.serving.datagram import drain
-from protos.splitserve.v1 import prefill_pb2
+from protos.splitserve.v1 import decode_pb2, prefill_pb2
 
 log = logging.getLogger("splitserve.express")
 
@@ -67,13 +74,32 @@ class ExpressClient:
         self._sock = _datagram_socket()
         self._sock.bind(self.name)
         self._waiting: dict[str, asyncio.Future[prefill_pb2.PrefillResponse]] = {}
+        # Decode services' first messages (ExpressDecodeReply), on a socket of their own.
+        self.decode_name = self.name + b"/decode"
+        self._decode_sock = _datagram_socket()
+        self._decode_sock.bind(self.decode_name)
+        self._decode_waiting: dict[str, asyncio.Future[decode_pb2.DecodeResponse]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> ExpressClient:
         """Read replies on the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._read)
+        self._loop.add_reader(self._decode_sock.fileno(), self._read_decode)
         return self
+
+    def expect_decode(self, request_id: str) -> asyncio.Future[decode_pb2.DecodeResponse] | None:
+        """The future of a Decode stream's first message, for a Decode call sent with
+        express_reply_to=decode_name (None before start())."""
+        if self._loop is None:
+            return None
+        future = self._decode_waiting[request_id] = self._loop.create_future()
+        return future
+
+    def forget_decode(self, request_id: str) -> None:
+        future = self._decode_waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
 
     def send(self, prefill_address: str, message: prefill_pb2.ExpressPrefill,
              ) -> asyncio.Future[prefill_pb2.PrefillResponse] | None:
@@ -109,12 +135,30 @@ class ExpressClient:
         if future is not None and not future.done():
             future.set_result(reply)
 
+    def _read_decode(self) -> None:
+        drain(self._decode_sock, MAX_DATAGRAM, self._on_decode_reply)
+
+    def _on_decode_reply(self, data: bytes, _sender) -> None:
+        try:
+            reply = decode_pb2.ExpressDecodeReply.FromString(data)
+        except DecodeError:
+            log.warning("express: dropped a reply that is not an ExpressDecodeReply (%d bytes)",
+                        len(data))
+            return
+        future = self._decode_waiting.pop(reply.request_id, None)
+        if future is not None and not future.done():
+            future.set_result(reply.response)
+
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_reader(self._decode_sock.fileno())
         for rid in list(self._waiting):
             self.forget(rid)
+        for rid in list(self._decode_waiting):
+            self.forget_decode(rid)
         self._sock.close()
+        self._decode_sock.close()
 
 
 class ExpressListener:
@@ -166,3 +210,24 @@ class ExpressListener:
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
         self._reply.close()
+
+
+class ExpressReplier:
+    """A decode service's end: sends a Decode stream's first message to a gateway's decode reply
+    socket; reply() may be called from any thread (the engine's)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+
+    def reply(self, address: bytes, request_id: str, response: decode_pb2.DecodeResponse) -> bool:
+        """False if it did not go out (nobody listening, the queue full, too large)."""
+        try:
+            self._sock.sendto(decode_pb2.ExpressDecodeReply(
+                request_id=request_id, response=response).SerializeToString(), address)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self._sock.close()

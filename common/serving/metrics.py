@@ -371,6 +371,9 @@ class DecodeMetrics(EngineMetrics):
         self.handoffs_rung = self.counter(
             "handoff_doorbell_rings", "Deliveries whose pull a prefill service on this host "
             "started through the doorbell, ahead of its Deliver call")
+        self.express_replies = self.counter(
+            "decode_express_replies", "Streams whose first message also went to a gateway on this "
+            "host as an express datagram from the engine's thread")
         self.init_goodput("decode")
 
     def observe_handoff(self, transport: str, num_bytes: int, seconds: float) -> None:

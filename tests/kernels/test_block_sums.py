@@ -73,6 +73,7 @@ def test_cpu_kernel_equals_torch(dtype: torch.dtype):
     pool = (torch.randn(3, 2, 9, 4, 2, 16) * 1e30).to(dtype)
     ids = torch.tensor([5, 0, 8, 5, 2], dtype=torch.int64)
     assert torch.equal(block_sums_cpu.block_sums(pool, ids), block_sums_torch(pool, ids))
+    assert torch.equal(block_sums_cpu.reference(pool, ids), block_sums_torch(pool, ids))
     assert block_sums_cpu.block_sums(pool, ids[:0]).shape == (0, 2)
     assert block_sums_cpu.serves(pool) and not block_sums_cpu.serves(pool.transpose(0, 1))
     with pytest.raises(RuntimeError, match="outside the pool"):

@@ -1,6 +1,6 @@
 """The express lane through real processes (common/serving/express.py): requests start on the
-prefill service by datagram and their Prefill calls adopt the work, with the same tokens as a
-gateway without the lane; and a datagram never followed by its call (the gateway died between
+prefill service by datagram and their Prefill calls adopt the work, and the decode streams'
+first messages come back by datagram too, with the same tokens as a gateway without the lane; and a datagram never followed by its call (the gateway died between
 the two), one whose request is aborted first, or one that comes after its call, strands no
 block and runs nothing twice."""
 
@@ -34,10 +34,12 @@ ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    metrics_port = free_port()
+    metrics_port, decode_metrics_port = free_port(), free_port()
     c = Cluster(tmp_path_factory.mktemp("express-logs"), MODEL, num_prefill=1, num_decode=1,
-                engine_flags=ENGINE_FLAGS, prefill_flags=["--metrics-port", str(metrics_port)])
+                engine_flags=ENGINE_FLAGS, prefill_flags=["--metrics-port", str(metrics_port)],
+                decode_flags=["--metrics-port", str(decode_metrics_port)])
     c.prefill_metrics_port = metrics_port
+    c.decode_metrics_port = decode_metrics_port
     try:
         c.wait_ready(120)
         yield c
@@ -45,11 +47,19 @@ def cluster(tmp_path_factory):
         c.close()
 
 
-def express_starts(cluster: Cluster) -> float:
-    text = urllib.request.urlopen(
-        f"http://127.0.0.1:{cluster.prefill_metrics_port}/metrics", timeout=10).read().decode()
+def counted(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("splitserve_prefill_express_starts_total{"))
+               if line.startswith(name + "{"))
+
+
+def express_starts(cluster: Cluster) -> float:
+    return counted(cluster.prefill_metrics_port, "splitserve_prefill_express_starts_total")
+
+
+def express_replies(cluster: Cluster) -> float:
+    """Decode streams whose first message also went to the gateway as a datagram."""
+    return counted(cluster.decode_metrics_port, "splitserve_decode_express_replies_total")
 
 
 def request(i: int, max_tokens: int = 12) -> generation_pb2.GenerateRequest:
@@ -94,10 +104,13 @@ def first_tokens(cluster: Cluster, request: prefill_pb2.PrefillRequest) -> list[
 
 
 def test_requests_take_the_lane_with_the_tokens_of_a_gateway_without_it(cluster):
-    before = express_starts(cluster)
+    before, replies = express_starts(cluster), express_replies(cluster)
     fast = [list(cluster.stub.Generate(request(i), timeout=60).token_ids) for i in range(3)]
     first_token_only = cluster.stub.Generate(request(3, max_tokens=1), timeout=60)
     assert express_starts(cluster) - before == 4
+    # The decode streams' first messages (the second tokens) came by datagram as well; the
+    # request that ended at its first token never reached the decode engine.
+    assert express_replies(cluster) - replies == 3
     port = free_port()
     cluster._launch("gateway-plain", service_argv(
         "gateway", registry_url=cluster.redis.url, namespace=cluster.namespace, port=port,
@@ -110,6 +123,7 @@ def test_requests_take_the_lane_with_the_tokens_of_a_gateway_without_it(cluster)
         assert stub.Generate(request(3, max_tokens=1), timeout=60).token_ids == \
             first_token_only.token_ids
     assert express_starts(cluster) - before == 4  # the second gateway sent none
+    assert express_replies(cluster) - replies == 3  # nor asked for any
     assert fast == plain and all(len(t) == 12 for t in fast)
     # The request that ended at its first token: its call was read to its end, so the prefill
     # service released the prompt's blocks at once (not when the express start expired).

@@ -9,8 +9,8 @@ import asyncio
 import socket
 import threading
 
-from common.serving.express import ExpressClient, ExpressListener, listen_name
-from protos.splitserve.v1 import prefill_pb2
+from common.serving.express import ExpressClient, ExpressListener, ExpressReplier, listen_name
+from protos.splitserve.v1 import decode_pb2, prefill_pb2
 
 
 def _message(rid: str, prompt_len: int = 8) -> prefill_pb2.ExpressPrefill:
@@ -60,3 +60,36 @@ def test_a_datagram_and_its_reply():
     assert list(got[1][0].request.prompt_token_ids) == list(range(20_000))
     assert got[0][0].timeout_s == 5.0 and got[0][0].traceparent.startswith("00-4bf9")
     assert [(r.request_id, r.first_token_id) for r in replies] == [("a", 1), ("bb", 2)]
+
+
+def test_a_decode_services_first_message_by_datagram():
+    """A decode service's engine thread sends a stream's first message to the gateway's decode
+    reply socket; it resolves that request's future, malformed or unawaited replies are dropped,
+    and a forgotten request's future is cancelled."""
+    async def scenario():
+        client = ExpressClient().start()
+        replier = ExpressReplier()
+        try:
+            waiting = client.expect_decode("r1")
+            forgotten = client.expect_decode("r2")
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            raw.sendto(b"\xff\xff not a reply", client.decode_name)  # dropped
+            raw.close()
+            message = decode_pb2.DecodeResponse(token_ids=[7, 8], text="ab", index=0,
+                                                handoff_critical_ms=1.5)
+            assert replier.reply(client.decode_name, "nobody-waits", message)  # dropped
+            sent = threading.Thread(target=replier.reply,
+                                    args=(client.decode_name, "r1", message))
+            sent.start()
+            got = await asyncio.wait_for(waiting, 5)
+            sent.join()
+            client.forget_decode("r2")
+            assert forgotten.cancelled()
+            assert not replier.reply(b"\0splitserve-express-reply/nobody", "r3", message)
+            return got, message
+        finally:
+            replier.close()
+            client.close()
+
+    got, sent = asyncio.run(scenario())
+    assert got == sent
