@@ -2,10 +2,9 @@
 // read in place from the paged pool (no gathered copy), in float32 whatever the pool's dtype.
 // Built and called by kernels/cpu_decode_attention.py, which also holds the torch reference.
 //
-// One task per (sequence, KV head), and in it one query head at a time (the heads that share the
-// KV head read its context from the cache after the first): the keys are scored 16 positions at a
-// time, the scores (float32) softmaxed, and the values summed with those weights; 16 lanes at a
-// time (head_dim 32, 64, 96, 128 or 256).
+// One task per (sequence, KV head), and in it the query heads that share the KV head together
+// (see attend): the keys are scored 16 positions at a time, the scores (float32) softmaxed, and
+// the values summed with those weights; 16 lanes at a time (head_dim 32, 64, 96, 128 or 256).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -97,62 +96,91 @@ inline vfloat sum16(const vfloat* a) {
                                  29, 31);
 }
 
-// One sequence's query heads h * group .. (h + 1) * group - 1 against KV head h of its context;
-// NV = head_dim / LANES. scores: room for round_up(len, LANES) floats; rows: room for as many
-// offsets. The context's rows are located once (offsets into either cache, no division per
-// position), then head by head, so that its query (and then its output) stays in registers;
-// the context's later passes hit the cache.
-template <typename T, int NV>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
-            int64_t bs, int64_t slot_stride, int64_t h, int64_t group, float scale, T* out,
-            float* scores, int64_t* rows) {
+// One sequence's query heads h * group + g0 .. + G - 1 against KV head h of its context;
+// NV = head_dim / LANES. scores: room for G x round_up(len, LANES) floats; rows: for
+// round_up(len, LANES) offsets (located by the caller). The G heads run together: each key and
+// value row is loaded (and widened) once for all of them, the G queries and outputs stay in
+// registers. Batch 32 at 160 positions, 9 heads on 3 KV heads, 1 thread (AVX-512 box), the
+// pool's blocks shuffled, minimum of 20: 244 / 341 us a layer (fp32 / bf16) one head at a time,
+// 174-211 / 202-258 us together (119 / 163 with the context in cache).
+template <typename T, int NV, int G>
+void attend(const T* q, const T* k_cache, const T* v_cache, int64_t len, int64_t h,
+            int64_t group, int64_t g0, float scale, T* out, float* scores, const int64_t* rows) {
   constexpr int64_t D = NV * LANES;
-  const int64_t block_stride = bs * slot_stride, width = (len + LANES - 1) / LANES * LANES;
-  for (int64_t p0 = 0; p0 < len; p0 += bs) {
-    const int64_t base = table[p0 / bs] * block_stride + h * D, n = std::min(bs, len - p0);
-    for (int64_t i = 0; i < n; ++i) rows[p0 + i] = base + i * slot_stride;
-  }
-  for (int64_t p = len; p < width; ++p) rows[p] = rows[len - 1];  // scored, then dropped
-  for (int64_t g = 0; g < group; ++g) {
-    const T* qg = q + (h * group + g) * D;
-    vfloat qv[NV];
-    for (int j = 0; j < NV; ++j) qv[j] = load(qg + j * LANES) * scale;
-    for (int64_t p0 = 0; p0 < len; p0 += LANES) {
-      vfloat s[LANES];
-      for (int64_t l = 0; l < LANES; ++l) {
-        const T* k = k_cache + rows[p0 + l];
-        s[l] = qv[0] * load(k);
-        for (int j = 1; j < NV; ++j) s[l] += qv[j] * load(k + j * LANES);
+  const int64_t width = (len + LANES - 1) / LANES * LANES;
+  vfloat qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = load(q + (h * group + g0 + g) * D + j * LANES) * scale;
+  for (int64_t p0 = 0; p0 < len; p0 += LANES) {
+    vfloat s[G][LANES];
+    for (int64_t l = 0; l < LANES; ++l) {
+      const T* k = k_cache + rows[p0 + l];
+      vfloat kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load(k + j * LANES);
+      for (int g = 0; g < G; ++g) {
+        vfloat a = qv[g][0] * kv[0];
+        for (int j = 1; j < NV; ++j) a += qv[g][j] * kv[j];
+        s[g][l] = a;
       }
-      const vfloat sums = sum16(s);
-      std::memcpy(scores + p0, &sums, sizeof sums);
     }
-    const float m = *std::max_element(scores, scores + len);
+    for (int g = 0; g < G; ++g) {
+      const vfloat sums = sum16(s[g]);
+      std::memcpy(scores + g * width + p0, &sums, sizeof sums);
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sc = scores + g * width;
+    const float m = *std::max_element(sc, sc + len);
     vfloat total{};
     for (int64_t p = 0; p < width; p += LANES) {
-      vfloat e = vexp(load(scores + p) - m);
+      vfloat e = vexp(load(sc + p) - m);
       for (int64_t l = std::max<int64_t>(len - p, 0); l < LANES; ++l) e[l] = 0;
-      std::memcpy(scores + p, &e, sizeof e);
+      std::memcpy(sc + p, &e, sizeof e);
       total += e;
     }
-    const float inv = 1.0f / hsum(total);
-    vfloat acc[NV] = {}, acc2[NV] = {};  // two positions at a time: two chains of adds
-    int64_t p = 0;
-    for (; p + 1 < len; p += 2) {
-      const T* v = v_cache + rows[p];
-      const T* v2 = v_cache + rows[p + 1];
-      const float w = scores[p], w2 = scores[p + 1];
-      for (int j = 0; j < NV; ++j) {
-        acc[j] += w * load(v + j * LANES);
-        acc2[j] += w2 * load(v2 + j * LANES);
-      }
+    inv[g] = 1.0f / hsum(total);
+  }
+  vfloat acc[G][NV] = {};
+  for (int64_t p = 0; p < len; ++p) {
+    const T* v = v_cache + rows[p];
+    vfloat vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load(v + j * LANES);
+    for (int g = 0; g < G; ++g) {
+      const float w = scores[g * width + p];
+      for (int j = 0; j < NV; ++j) acc[g][j] += w * vv[j];
     }
-    if (p < len) {
-      const T* v = v_cache + rows[p];
-      for (int j = 0; j < NV; ++j) acc[j] += scores[p] * load(v + j * LANES);
-    }
+  }
+  for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j)
-      store(out + (h * group + g) * D + j * LANES, (acc[j] + acc2[j]) * inv);
+      store(out + (h * group + g0 + g) * D + j * LANES, acc[g][j] * inv[g]);
+}
+
+// The offsets of a context's rows for KV head h, in either cache (no division per position);
+// positions len .. round_up(len, LANES) - 1 repeat the last (scored, then dropped).
+inline void locate_rows(const int32_t* table, int64_t len, int64_t bs, int64_t slot_stride,
+                        int64_t h, int64_t d, int64_t* rows) {
+  const int64_t block_stride = bs * slot_stride, width = (len + LANES - 1) / LANES * LANES;
+  for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    const int64_t base = table[p0 / bs] * block_stride + h * d, n = std::min(bs, len - p0);
+    for (int64_t i = 0; i < n; ++i) rows[p0 + i] = base + i * slot_stride;
+  }
+  for (int64_t p = len; p < width; ++p) rows[p] = rows[len - 1];
+}
+
+// A group's heads in passes of up to 12 / NV (at most 4): a pass keeps G x NV query and as
+// many output vectors in registers (32 of them with AVX-512).
+template <typename T, int NV>
+void attend_group(const T* q, const T* k_cache, const T* v_cache, int64_t len, int64_t h,
+                  int64_t group, float scale, T* out, float* scores, const int64_t* rows) {
+  constexpr int64_t PASS = std::max(1, std::min(4, 12 / NV));
+  for (int64_t g0 = 0; g0 < group; g0 += PASS) {
+    switch (std::min<int64_t>(PASS, group - g0)) {
+      case 4: attend<T, NV, 4>(q, k_cache, v_cache, len, h, group, g0, scale, out, scores, rows); break;
+      case 3: attend<T, NV, 3>(q, k_cache, v_cache, len, h, group, g0, scale, out, scores, rows); break;
+      case 2: attend<T, NV, 2>(q, k_cache, v_cache, len, h, group, g0, scale, out, scores, rows); break;
+      default: attend<T, NV, 1>(q, k_cache, v_cache, len, h, group, g0, scale, out, scores, rows); break;
+    }
   }
 }
 
@@ -175,13 +203,15 @@ void decode(const at::Tensor& q,             // [n, heads, d]
   const int64_t max_len = n ? *std::max_element(lens, lens + n) : 0;
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = (max_len + LANES - 1) / LANES * LANES;
-    std::vector<float> scores(width);
+    std::vector<float> scores(4 * width);
     std::vector<int64_t> rows(width);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kvh, h = task % kvh;
-      attend<T, NV>(qp + b * q.stride(0), kp, vp, tables + b * table_stride, lens[b], bs,
-                    slot_stride, h, group, static_cast<float>(scale), op + b * out.stride(0),
-                    scores.data(), rows.data());
+      locate_rows(tables + b * table_stride, lens[b], bs, slot_stride, h, NV * LANES,
+                  rows.data());
+      attend_group<T, NV>(qp + b * q.stride(0), kp, vp, lens[b], h, group,
+                          static_cast<float>(scale), op + b * out.stride(0), scores.data(),
+                          rows.data());
     }
   });
 }
