@@ -30,6 +30,16 @@ RESULTS.md "eighth session, issue 19"): QK^T on fp8 tensor cores with K as store
 as an fp8 wgmma, q split into e4m3 hi + lo for bf16's precision; triton gives small-M fp8 dots
 no fp8 mma.sync on sm_90): 5-17% slower than widening K, the transposition of S^T and the
 wgmma's wait each tile costing more than the conversions it saved.
+
+What sets the fp8 pace (H200, 2026-12-03, bench/RESULTS.md "tenth session, issue 19"; Nsight
+Compute at batch 128, context 4096): latency, not bytes or issue. 162 registers a thread leave 3
+programs (12 warps) a multiprocessor, no warp eligible in 54% of the cycles, DRAM at 56% of its
+peak. DecodeConfig.peel + asm_widen take the whole-tile loop from 1192 to 728 instructions a
+thread a tile (sm_90 SASS) yet run slower, their 194 registers leaving 2 programs. A loop that
+only reads K and V through the block tables, on the same grid, reaches 0.45-0.83 of copy at
+batch 32-256 and context 1k-4k; V stored transposed in each block (a variant, 230 registers)
+ran no faster. More bytes in flight a multiprocessor (fewer registers, more tokens a program)
+is the way toward 0.85, not fewer instructions.
 """
 
 from __future__ import annotations
@@ -55,6 +65,11 @@ class DecodeConfig:
     waves: int = 4         # default_num_splits aims at about this many programs per multiprocessor
     fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
     widen_v_first: bool = True  # an fp8 pool under a 16-bit q: V to fp16 before shared memory
+    # Off by default: on the H200 (bench/RESULTS.md "tenth session, issue 19") these cut the
+    # fp8 tile loop's instructions by 39% but raised its registers from 162 to 194 a thread
+    # (3 programs a multiprocessor to 2) and ran 3-8% slower at batch 128-256.
+    peel: bool = False     # whole tiles in a loop without masks, the partial last tile after it
+    asm_widen: bool = False  # with peel, V first, compiled: V widened by inline asm, no select
 
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device,
@@ -155,6 +170,75 @@ def _merge_splits(
 
 
 @triton.jit
+def _e4m3_to_f16(x, pin):
+    """e4m3 -> fp16, four elements a register, through cvt.rn.f16x2.e4m3x2 (the conversion
+    triton's own cast uses). `pin`, an unused int8 operand of x's shape, makes it an op of two
+    operands, which triton does not move past the layout change into the dot's operand: V is
+    widened before shared memory, as the select of the masked tile does, without the select
+    (sm_90 SASS of the whole-tile loop: no SEL or PRMT left, 728 instructions a thread a
+    128-token tile against 1192; triton 3.9 offline)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+        "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r,r", [x, pin], dtype=tl.float16,
+        is_pure=True, pack=4)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc,      # [BLOCK_G, BLOCK_D] q; the online softmax's running max, sum, acc
+    tile, end,             # the tile's first token; the split's end (masked tiles only)
+    k_ptr, v_ptr, table, kvh, qk_scale,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_V_FIRST: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr, ASM_WIDEN: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One BLOCK_N-token tile of the online softmax. MASKED: tokens at or past `end` count for
+    nothing; otherwise the tile is whole and its loads (when HEAD_DIM == BLOCK_D) and scores
+    carry no mask."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = tile + offs_n
+    n_mask = pos < end
+    if MASKED:
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    row = (pos % BLOCK_SIZE).to(tl.int64)
+    k_row = block * stride_kb + row * stride_kt + kvh * stride_kh
+    # K and V pools of the same strides (the engine's): one address computation for both
+    v_row = k_row if SAME_KV_STRIDES else block * stride_vb + row * stride_vt + kvh * stride_vh
+    k_ptrs = k_ptr + k_row[:, None] + offs_d[None, :]
+    v_ptrs = v_ptr + v_row[:, None] + offs_d[None, :]
+    kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if MASKED or HEAD_DIM != BLOCK_D:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if WIDEN_V_FIRST:
+        # V to fp16 before shared memory: fp16 V reaches the dot through ldmatrix.trans, where
+        # fp8 V goes in single bytes (LDS.U8: no transposing 8-bit ldmatrix on sm_90), at the
+        # cost of an fp16 copy of V through shared memory. Triton would move a plain cast past
+        # the copy: the inline conversion (whole tiles, compiled) or a select stops it.
+        if ASM_WIDEN:
+            v = _e4m3_to_f16(v, tl.full(v.shape, 0, tl.int8) + end.to(tl.int8))
+        else:
+            v = tl.where(kv_mask, v.to(tl.float16), 0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                        input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,                 # [B, H, D]
     k_ptr, v_ptr,          # [num_blocks, BLOCK_SIZE, KVH, D]
@@ -176,7 +260,8 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
-    WIDEN_V_FIRST: tl.constexpr = False,
+    WIDEN_V_FIRST: tl.constexpr = False, PEEL: tl.constexpr = False,
+    SAME_KV_STRIDES: tl.constexpr = False, ASM_WIDEN: tl.constexpr = False,
 ):
     # kv heads fastest: the heads of one sequence run side by side, reading the adjacent
     # 256-byte rows of the same blocks (H200, batch 256 at context 640: 1% faster than the other
@@ -192,7 +277,6 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -205,30 +289,27 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = tables_ptr + b * stride_tb
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + offs_n
-        n_mask = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row = (pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (block * stride_kb + row * stride_kt + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + (block * stride_vb + row * stride_vt + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if WIDEN_V_FIRST:
-            # The select keeps the widening ahead of shared memory: fp16 V reaches the dot
-            # through ldmatrix.trans, where fp8 V goes in single bytes (LDS.U8: no transposing
-            # 8-bit ldmatrix on sm_90), at the cost of an fp16 copy of V through shared memory
-            v = tl.where(kv_mask, v.to(tl.float16), 0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+    if PEEL:  # the whole tiles without masks, then the split's last, partial tile
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for tile in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, table, kvh, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
+                SAME_KV_STRIDES, ASM_WIDEN, False)
+        if full_end < end:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, full_end, end, k_ptr, v_ptr, table, kvh, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
+                SAME_KV_STRIDES, False, True)
+    else:
+        for tile in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, table, kvh, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
+                SAME_KV_STRIDES, False, True)
 
     if SINGLE_SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -366,7 +447,9 @@ def paged_attention_decode(
         HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        F16_DOT=f16_dot, WIDEN_V_FIRST=f16_dot and config.widen_v_first,
+        F16_DOT=f16_dot, WIDEN_V_FIRST=f16_dot and config.widen_v_first, PEEL=config.peel,
+        SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
+        ASM_WIDEN=config.asm_widen and dev.type == "cuda",  # the interpreter runs no asm
         FUSED_MERGE=fused, MERGE_G=next_pow2(group),
         CHUNK_S=_merge_chunk(next_pow2(group), block_d, config.num_warps, 32),
         num_warps=config.num_warps, num_stages=config.num_stages,

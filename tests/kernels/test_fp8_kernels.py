@@ -214,6 +214,38 @@ def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, num
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pool", ["fp8", "16bit"])
+@pytest.mark.parametrize("head_dim", [32, 48])
+def test_decode_attention_peeled_loop(device: str, pool: str, head_dim: int, make_paged,
+                                      check_rel) -> None:
+    """The loop over whole tiles without masks, then the partial tile (DecodeConfig.peel; on the
+    GPU an fp8 V widened by inline asm in the whole tiles), computes what the masked loop does:
+    contexts of whole tiles only, of a partial tile only and of both, one split or three, a head
+    dimension under its power of two (48: the dimension mask stays). The 16-bit pool is bf16 on
+    the GPU, float32 on the CPU (the interpreter's bf16 dot is not the compiled one)."""
+    h, kvh = 8, 2
+    lens = [64, 5, 77, 1, 130]
+    k, v, tables = make_paged(lens, 16, kvh, head_dim, F32, device)
+    dtype = BF16 if device == "cuda" or pool == "fp8" else F32
+    if pool == "fp8":
+        k, v = torch_ops.to_fp8(k * 3), torch_ops.to_fp8(v * 3)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(len(lens), h, head_dim, device=device).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    for num_splits in (1, 3):
+        outs = []
+        for peel in (True, False):
+            cfg = DecodeConfig(block_n=32, peel=peel, asm_widen=peel)
+            outs.append(paged_attention_decode(q, k, v, tables, seq_lens, head_dim ** -0.5,
+                                               num_splits=num_splits, config=cfg).float())
+        check_rel(outs[0], outs[1], 1e-5)
+        want = torch_ops.paged_attention_decode(q.float(), k.float(), v.float(), tables,
+                                                seq_lens, head_dim ** -0.5)
+        check_rel(outs[0], want, 1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_extend_attention_fp8_pool(device: str, make_paged, check_rel) -> None:
     (h, kvh, d), lens, q_lens = ((4, 2, 32), [20, 9], [5, 9]) if device == "cpu" else \
         ((32, 8, 128), [1500, 700], [300, 700])
