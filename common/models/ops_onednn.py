@@ -177,8 +177,20 @@ class OneDnnLinear:
 
 
 # Rows up to which a weight held packed only (PackedOnly) runs through
-# kernels.cpu_layer_ops.packed_linear, above which through oneDNN's GEMM on the same copy.
-PACKED_LINEAR_ROWS = 16
+# kernels.cpu_layer_ops.packed_linear (an AVX2 kernel), above which through oneDNN's GEMM on the
+# same copy: 16 where torch's CPU capability is AVX2 (AVX2 box, 1 thread, SmolLM2's 30 layers:
+# 18.3 / 72.4 ms at 4 / 16 rows against oneDNN's 21.7 / 59.7-69.5), 1 on an AVX-512 CPU, whose
+# oneDNN kernels win from 2 rows (AVX-512 box, 2 threads, same weights, median of 5: 13.6 ms
+# both at 1 row; 17.8 / 21.7 / 33.2 / 49.0 against 14.3 / 13.9 / 19.4 / 18.5 at 2 / 4 / 8 / 16).
+PACKED_LINEAR_ROWS = {"AVX2": 16}
+PACKED_LINEAR_ROWS_OTHERWISE = 1
+
+
+@functools.cache
+def packed_linear_rows() -> int:
+    """PACKED_LINEAR_ROWS for this CPU's capability (torch.backends.cpu)."""
+    return PACKED_LINEAR_ROWS.get(torch.backends.cpu.get_cpu_capability(),
+                                  PACKED_LINEAR_ROWS_OTHERWISE)
 
 # The attribute of a stand-in weight (on the meta device) that holds its packed copy.
 PACKED_ONLY = "splitserve_packed_only"
@@ -195,7 +207,7 @@ class PackedOnly:
     n: int
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [M, K]
-        if bias is None and x.shape[0] <= PACKED_LINEAR_ROWS:
+        if bias is None and x.shape[0] <= packed_linear_rows():
             return cpu_layer_ops.packed_linear(x if x.stride(1) == 1 else x.contiguous(),
                                                self.view, self.n)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
