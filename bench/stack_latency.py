@@ -92,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-flags", default="",
                    help="more engine flags for both services (the in-process engine gets the "
                         "same settings where EngineConfig has them)")
+    p.add_argument("--prefill-flags", default="",
+                   help="more flags for the prefill service alone (e.g. --no-early-handoff)")
     p.add_argument("--vocab", type=int, default=40000, help="prompt token ids are below this")
     p.add_argument("--out", default="out/stack_latency.json", help="where to write the JSON")
     return p.parse_args()
@@ -150,7 +152,8 @@ def start_stack(args: argparse.Namespace, log_dir: Path):
     args.decode_metrics_port = free_port()
     procs = []
     for role, extra, p, metrics in (
-            ("prefill", [*flags, "--device", args.prefill_device], 0, 0),
+            ("prefill", [*flags, "--device", args.prefill_device,
+                         *shlex.split(args.prefill_flags)], 0, 0),
             ("decode", [*flags, "--device", args.decode_device], 0, args.decode_metrics_port),
             ("gateway", [], port, 0)):
         log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115 (the child keeps it)

@@ -38,7 +38,10 @@ blocks are reserved and freed on rank 0's block manager, once for every rank.
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,8 +58,9 @@ from common.errors import (
     RankFailure,
     TransferError,
 )
-from common.kv_transport.blocks import handoff_bytes
-from common.kv_transport.checksum import prepare
+from common.kv_transport.base import check_geometry
+from common.kv_transport.blocks import handoff_bytes, transfer_stream
+from common.kv_transport.checksum import combine, prepare
 from common.kv_transport.select import KVReceiver
 from common.registry import HandoffDescriptor, Registry
 from common.serving import tracing
@@ -67,6 +71,14 @@ from common.serving.tls import PLAINTEXT, TlsConfig
 log = logging.getLogger("splitserve.decode.handoff")
 
 DEADLINE_MARGIN_S = 0.05  # a pull ending closer than this to the Deliver deadline is discarded
+EARLY_WAIT_S = 0.05  # how long a delivery waits for its early copy to be queued, then pulls
+
+
+def _settle(future: asyncio.Future, error: BaseException) -> None:
+    """Fail a future unless it is done (loop thread)."""
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # retrieved: whoever needs it reads it again
 
 
 @dataclass(slots=True)
@@ -86,6 +98,31 @@ class Taken:
 
 
 @dataclass(slots=True, eq=False)
+class _Early:
+    """An early ring's copy: a thread waits for the prefill step's interprocess event, then the
+    event loop queues the copy (and its sums) into the reserved blocks; `queued` gets (pinned
+    host sums, event when copied), or an exception. Loop-thread state but for the wait."""
+    block_ids: list[int]              # the source's blocks
+    offer: dict                       # the source pool's cuda_ipc entry
+    queued: asyncio.Future
+    dropped: bool = False             # nobody will use it: it must not be queued any more
+
+    def matches(self, desc: HandoffDescriptor) -> bool:
+        ipc = desc.transports.get("cuda_ipc") or {}
+        return (list(desc.block_ids) == self.block_ids
+                and ipc.get("handle") == self.offer.get("handle"))
+
+    def drop(self) -> None:
+        """Never queued from now on; a copy queued already is waited for (it writes the slot's
+        blocks, which are about to be freed or pulled into again)."""
+        self.dropped = True
+        if self.queued.done() and not self.queued.cancelled() and not self.queued.exception():
+            self.queued.result()[1].synchronize()
+        elif not self.queued.done():
+            self.queued.cancel()
+
+
+@dataclass(slots=True, eq=False)
 class _Slot:
     """One request between its Decode call and its delivery (see the module docstring)."""
     request_id: str
@@ -97,6 +134,7 @@ class _Slot:
     admit: Callable[[Taken], Future] | None = None  # take()'s, called when the KV is verified
     ended: bool = False               # the Decode call left: nobody takes the blocks
     reserve_ms: float = 0.0           # how long reserving took (Taken.reserve_ms)
+    early: _Early | None = None       # an early doorbell ring's copy (see _ring_early)
 
 
 class _PullAttributes:
@@ -220,6 +258,8 @@ class HandoffInbox:
             del self.slots[slot.request_id]
         if slot.pulling:
             return
+        if slot.early is not None:
+            slot.early.drop()
         # Reserved and not pulled into, and (disjoint) delivered and not yet taken (unless
         # admitted: then the engine owns them, and the caller's abort frees them).
         blocks, slot.blocks = slot.blocks, []
@@ -234,9 +274,14 @@ class HandoffInbox:
     # ---- the doorbell ------------------------------------------------------------------------
     def ring(self, message: dict) -> None:
         """A doorbell's datagram (on the event loop's thread): start the pull now if the
-        request's blocks are reserved and nobody pulls them yet; else leave it to Deliver."""
+        request's blocks are reserved and nobody pulls them yet; else leave it to Deliver.
+        An early ring (a GPU on this host, sent when the prompt's last step was launched)
+        starts the copy behind that step instead (_ring_early)."""
         rid = message.get("request_id")
         slot = self.slots.get(rid) if isinstance(rid, str) else None
+        if message.get("early"):
+            self._ring_early(slot, message)
+            return
         if (slot is None or slot.claimed or not slot.reserved.done()
                 or slot.reserved.cancelled() or slot.delivered.done() or slot.ended):
             return
@@ -265,6 +310,88 @@ class HandoffInbox:
             max(remaining, self.wait_s) + 1.0,
             lambda: self.rung.pop(rid, None) if self.rung.get(rid, (None,))[0] is task
             else None)
+
+    def _ring_early(self, slot: _Slot | None, message: dict) -> None:
+        """The prefill launched the step that writes the prompt's last KV, behind which it
+        recorded the interprocess event named here: a thread waits for that event (never this
+        thread, nor a GPU stream: a source that dies before its step ends leaves only that
+        thread waiting), then the loop queues the copy with its sums into the reserved blocks.
+        The ring with the checksum (or the Deliver call) then only compares the sums. Ignored
+        unless the blocks are reserved, nobody pulls yet, and the pool is a GPU's at TP 1."""
+        pool = self.loop.engine.kv_cache
+        if (slot is None or slot.claimed or slot.early is not None or not slot.reserved.done()
+                or slot.reserved.cancelled() or slot.delivered.done() or slot.ended
+                or not pool.is_cuda or self.shards is not None):
+            return
+        try:
+            block_ids = [int(b) for b in message["block_ids"]]
+            offer = dict(message["cuda_ipc"])
+            handle = base64.b64decode(message["event"])
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("request %s: an early ring without a usable event: %s",
+                        slot.request_id, e)
+            return
+        aio = asyncio.get_running_loop()
+        early = slot.early = _Early(block_ids, offer, aio.create_future())
+        transport = self.receiver.transport("cuda_ipc")
+
+        def wait() -> None:
+            try:
+                transport.open_event(offer, handle).synchronize()
+                then = (self._queue_early, slot, early)
+            except Exception as e:  # reported on the loop; the delivery pulls as usual
+                then = (_settle, early.queued, e)
+            with contextlib.suppress(RuntimeError):  # the loop closed: the service stops
+                aio.call_soon_threadsafe(*then)
+
+        threading.Thread(target=wait, name="kv-early", daemon=True).start()
+
+    def _queue_early(self, slot: _Slot, early: _Early) -> None:
+        """Loop thread, the prefill's step done: queue the early copy unless dropped."""
+        if early.dropped or early.queued.done() or slot.ended:
+            _settle(early.queued, TransferError("the early copy was dropped"))
+            return
+        blocks, after = slot.reserved.result()
+        pool = self.loop.engine.kv_cache
+        try:
+            with transfer_stream(pool, after):
+                result = self.receiver.transport("cuda_ipc").queue_copy(
+                    early.offer, early.block_ids, pool, blocks)
+        except (TransferError, RuntimeError) as e:
+            _settle(early.queued, e)
+            return
+        early.queued.set_result(result)
+
+    def _take_early(self, slot: _Slot, desc: HandoffDescriptor, blocks: list[int],
+                    deadline: float | None, span: tracing.Span | _PullAttributes) -> str | None:
+        """The pull of a delivery whose early copy is queued: wait for the copy (queued when
+        the prefill's step ended, so done or nearly) and compare its sums with the checksum;
+        "" when the KV may be used, else why not. None: no usable early copy (dropped; the
+        caller pulls as usual)."""
+        early = slot.early
+        if early is None:
+            return None
+        if (not early.matches(desc) or not early.queued.done() or early.queued.cancelled()
+                or early.queued.exception() is not None):
+            early.drop()
+            slot.early = None
+            return None
+        start = time.monotonic()
+        pool = self.loop.engine.kv_cache
+        host, done = early.queued.result()
+        slot.early = None
+        try:
+            check_geometry(desc, pool, blocks)
+            done.synchronize()
+            got = combine(host.tolist())
+            if got != desc.checksum:
+                raise TransferError(f"handoff {desc.request_id}: checksum mismatch over "
+                                    f"{len(blocks)} blocks via the early cuda_ipc copy (source "
+                                    f"{desc.checksum}, received {got})")
+        except TransferError as e:
+            self.metrics.handoff_failures("transfer").inc()
+            return str(e)
+        return self._pulled(desc, "cuda_ipc", start, deadline, span, early=True)
 
     # ---- the Deliver call's side --------------------------------------------------------------
     async def deliver(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
@@ -322,13 +449,19 @@ class HandoffInbox:
         deadline = None if time_remaining_s is None else arrived + time_remaining_s
         slot.pulling = True
         try:
-            if self.loop.engine.kv_cache.is_cuda and desc.source_host_id == self.receiver.host:
-                # On one host a GPU pull is a copy and a checksum kernel, ~0.5 ms: done here, as
-                # the hop to the pull thread and back cost more (waiting for the GIL).
-                reason = self._pull(desc, blocks, after, deadline, span)
-            else:
-                reason = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._pull, desc, blocks, after, deadline, span)
+            if slot.early is not None and not slot.early.queued.done():
+                # The prefill's step has ended (its checksum is here), so the copy is about
+                # to be queued; waited for a little, then pulled as usual.
+                await asyncio.wait((slot.early.queued,), timeout=EARLY_WAIT_S)
+            reason = self._take_early(slot, desc, blocks, deadline, span)
+            if reason is None:
+                if self.loop.engine.kv_cache.is_cuda and desc.source_host_id == self.receiver.host:
+                    # On one host a GPU pull is a copy and a checksum kernel, ~0.5 ms: done
+                    # here, as the hop to the pull thread and back cost more (the GIL).
+                    reason = self._pull(desc, blocks, after, deadline, span)
+                else:
+                    reason = await asyncio.get_running_loop().run_in_executor(
+                        self._executor, self._pull, desc, blocks, after, deadline, span)
         finally:
             slot.pulling = False
             slot.blocks = []  # from here on this call hands them on or frees them
@@ -370,19 +503,26 @@ class HandoffInbox:
         except (TransferError, RankFailure) as e:  # RankFailure: a rank died mid-pull
             self.metrics.handoff_failures("transfer").inc()
             return str(e)
+        return self._pulled(desc, name, start, deadline, span)
+
+    def _pulled(self, desc: HandoffDescriptor, name: str, start: float, deadline: float | None,
+                span: tracing.Span | _PullAttributes, early: bool = False) -> str:
+        """A pull verified at this moment: "" if it ended in time (then counted), else why
+        not."""
         done = time.monotonic()
         if deadline is not None and done > deadline - DEADLINE_MARGIN_S:
             self.metrics.handoff_failures("lease_expired").inc()
             return (f"handoff {desc.request_id}: the pull ended {1e3 * (done - deadline):+.1f} ms "
                     f"from the delivery's deadline; the source may have reused its blocks")
         self.transports_used[name] = self.transports_used.get(name, 0) + 1
+        pool = self.loop.engine.kv_cache
         nbytes = handoff_bytes(desc, pool)
         self.metrics.observe_handoff(name, nbytes, done - start)
-        span.set_attributes({"splitserve.transport": name, "splitserve.blocks": len(blocks),
-                             "splitserve.bytes": nbytes,
+        span.set_attributes({"splitserve.transport": name, "splitserve.blocks": len(desc.block_ids),
+                             "splitserve.bytes": nbytes, "splitserve.early": early,
                              "splitserve.gb_per_s": nbytes / 1e9 / max(done - start, 1e-9)})
-        log.debug("handoff %s via %s: pull+verify %.2f ms", desc.request_id, name,
-                  1e3 * (done - start))
+        log.debug("handoff %s via %s%s: pull+verify %.2f ms", desc.request_id, name,
+                  " (early copy)" if early else "", 1e3 * (done - start))
         return ""
 
     def close(self) -> None:

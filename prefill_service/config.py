@@ -18,6 +18,11 @@ class PrefillServiceConfig(InstanceConfig):
                         "gateways on this host start prompts without waiting for the Prefill "
                         "call's gRPC hop and get the first token back the same way "
                         "(common/serving/express.py); never with TLS")
+    early_handoff: bool = opt(True, "on a GPU, ring the decode service's doorbell (on this "
+                              "host) when a prompt's last step is launched, with an "
+                              "interprocess event behind its forward, so that the decode's "
+                              "copy of the KV runs the moment the step ends rather than after "
+                              "the first token is read (decode_service/handoff.py)")
 
     def __post_init__(self) -> None:
         InstanceConfig.__post_init__(self)

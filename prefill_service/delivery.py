@@ -17,6 +17,7 @@ before the call starts, so it is never later than the call's.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 
@@ -61,6 +62,17 @@ class Deliveries:
                       "doorbell rung" if rang else "no doorbell",
                       1e3 * (time.time() - first_token_unix_s))
         return rang
+
+    def ring_early(self, request_id: str, block_ids: list[int], offer: dict, event: bytes,
+                   address: str) -> bool:
+        """Engine thread, when the step that writes the prompt's last KV is launched: the
+        decode service at address may start its copy of these blocks (its cuda_ipc `offer`) the
+        moment the interprocess `event` completes; ring() with the checksum follows as usual.
+        False when no doorbell heard it."""
+        return self.doorbell.ring(address, {
+            "request_id": request_id, "early": True, "block_ids": block_ids,
+            "cuda_ipc": offer, "event": base64.b64encode(event).decode("ascii"),
+            "deadline_unix_s": time.time() + self.lease_s})
 
     async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
                       metadata: tuple[tuple[str, str], ...] = (),

@@ -53,7 +53,8 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     deliveries = Deliveries(instance.loop, config.handoff_lease_s, metrics, tls=tls)
     prefixes = PrefixSync(registry, instance.loop, instance.instance_id)
     instance.heartbeat.on_reregister = lambda: setattr(prefixes, "republish", True)
-    servicer = PrefillServicer(instance, source, deliveries, prefixes, metrics)
+    servicer = PrefillServicer(instance, source, deliveries, prefixes, metrics,
+                               early_handoff=config.early_handoff)
     server.add(Service(servicer, prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                        service_name(prefill_pb2, "PrefillService")))
     server.add(Service(KVTransferServicer(source),

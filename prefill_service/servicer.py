@@ -61,7 +61,9 @@ class _Run:
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, instance: ServiceInstance, source: KVSource, deliveries: Deliveries,
-                 prefixes: PrefixSync, metrics: PrefillMetrics):
+                 prefixes: PrefixSync, metrics: PrefillMetrics, early_handoff: bool = True):
+        """early_handoff: --early-handoff (the decode's doorbell rung with an IPC event when a
+        prompt's last step is launched, on a GPU; see _start)."""
         self.instance = instance
         self.source = source
         self.deliveries = deliveries
@@ -75,6 +77,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.express: dict[str, _Run] = {}
         self._started: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lane: ExpressListener | None = None
+        self.early_handoff = early_handoff
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext,
@@ -145,6 +148,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 span.end()
             self.instance.num_inflight -= 1
             if not delivering:  # ended, cancelled or failed before delivering: release now
+                loop.engine.kv.unwatch(rid)
                 loop.abort(rid)
 
     def _start(self, request: prefill_pb2.PrefillRequest, trace_metadata,
@@ -168,6 +172,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                               rung) if self.source.shards is None else stream)
         if reply_to and params.prompt_logprobs is None:
             sink = self._replying(rid, params, carried, reply_to, sink)
+        if self.early_handoff and "cuda_ipc" in self.source.offers and self.source.shards is None:
+            offer, address = self.source.offers["cuda_ipc"], request.decode_address
+            self.instance.loop.engine.kv.watch(
+                rid, lambda blocks, event: self.deliveries.ring_early(rid, blocks, offer, event,
+                                                                      address))
         span = tracing.start("prefill", tracing.context_from(trace_metadata),
                              kind=tracing.SpanKind.SERVER,
                              attributes={"splitserve.request_id": rid,
@@ -215,6 +224,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             run.expiry.cancel()
         tracing.failed(run.span, f"express start dropped: {why}")
         run.span.end()
+        self.instance.loop.engine.kv.unwatch(rid)
         self.instance.loop.abort(rid)
 
     def _first_response(self, rid: str, final, params: SamplingParams, carried: list[int],
@@ -257,6 +267,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if run is not None:
             run.expiry.cancel()
             run.span.end()
+            self.instance.loop.engine.kv.unwatch(rid)
         if rid in self.handing_off:  # released when the delivery ends
             return prefill_pb2.PrefillServiceAbortResponse(found=True)
         return prefill_pb2.PrefillServiceAbortResponse(found=await asyncio.wrap_future(

@@ -13,14 +13,15 @@ to no sequence.
 
 Thread rule: every method runs on the engine's thread (services call through EngineLoop.call),
 except reads of `pool`, the KV pool tensor itself, which transfer threads may read (held blocks)
-and write (reserved blocks) while the engine steps, and `checksum_of`, which any thread may
-call. A copy into reserved blocks on a GPU first waits for the event reserve_for_copy()
+and write (reserved blocks) while the engine steps, and `checksum_of`, `watch` and `unwatch`,
+which any thread may call. A copy into reserved blocks on a GPU first waits for the event reserve_for_copy()
 returned, if any (the step in flight may still write blocks that were free when it was
 launched).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,6 +29,10 @@ import torch
 from common.engine.core.block_manager import BlockManager
 from common.engine.uploads import to_device
 from common.kv_transport.checksum import combine
+
+IPC_EVENTS = 32  # interprocess events that early handoffs name, reused round robin
+
+log = logging.getLogger("splitserve.engine.kv")
 
 
 class KVConnector:
@@ -45,6 +50,11 @@ class KVConnector:
         # Checksums queued right after the step that wrote a held prompt's last KV (see
         # queue_checksum): request id -> (block ids, pinned [n, 2] sums, event when copied).
         self._sums: dict[str, tuple[list[int], torch.Tensor, torch.cuda.Event]] = {}
+        # Early handoffs (see watch): request id -> callback; the interprocess events they are
+        # told of, reused round robin, with their handles.
+        self._watchers: dict[str, Callable[[list[int], bytes], None]] = {}
+        self._ipc_events: list[tuple[torch.cuda.Event, bytes]] = []
+        self._next_ipc_event = 0
 
     @property
     def pool(self) -> torch.Tensor:
@@ -61,6 +71,7 @@ class KVConnector:
         """Free a request's held blocks; False if it holds none."""
         table = self.held.pop(request_id, None)
         self._sums.pop(request_id, None)
+        self._watchers.pop(request_id, None)
         if table is None:
             return False
         self.block_manager.free(table)
@@ -82,12 +93,44 @@ class KVConnector:
             return
         from kernels.block_sums import block_sums  # CPU-only processes never load Triton
         ids = list(block_ids)
+        watcher = self._watchers.pop(request_id, None)
+        if watcher is not None:  # the forward that writes the prompt's last KV is queued
+            try:
+                event, handle = self._ipc_event()
+                event.record()
+                watcher(ids, handle)
+            except Exception:  # never into the step: the handoff goes the usual way
+                log.exception("request %s: the early handoff's event failed", request_id)
         sums = block_sums(self.pool, to_device(ids, torch.long, self.pool.device))
         host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
         host.copy_(sums, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._sums[request_id] = (ids, host, event)
+
+    def watch(self, request_id: str, callback: Callable[[list[int], bytes], None]) -> None:
+        """Any thread, before the request is submitted: on a GPU, when the step that writes a
+        held prompt's last KV is launched (queue_checksum), callback(block ids, handle) is
+        called on the engine thread with the CUDA IPC handle of an event recorded right behind
+        that step's forward (an early handoff: another process may wait for the event and copy
+        the blocks then). Once per request; never on a CPU."""
+        self._watchers[request_id] = callback
+
+    def unwatch(self, request_id: str) -> None:
+        """Any thread: forget watch()'s callback (the request ended without its last step)."""
+        self._watchers.pop(request_id, None)
+
+    def _ipc_event(self) -> tuple[torch.cuda.Event, bytes]:
+        """The next of IPC_EVENTS interprocess events, round robin. A process waiting for an
+        event that was recorded again since waits for the later record (a later step on the
+        same stream): later, never too soon."""
+        if len(self._ipc_events) < IPC_EVENTS:
+            event = torch.cuda.Event(interprocess=True)
+            event.record()  # a handle is only given for an event that was recorded once
+            self._ipc_events.append((event, event.ipc_handle()))
+        pair = self._ipc_events[self._next_ipc_event % len(self._ipc_events)]
+        self._next_ipc_event += 1
+        return pair
 
     def checksum_of(self, request_id: str, block_ids: Sequence[int]) -> int | None:
         """Any thread: the handoff checksum (common.kv_transport.checksum) of a held prompt's

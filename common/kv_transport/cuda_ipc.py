@@ -93,6 +93,7 @@ class CudaIpcTransport(KVTransport):
 
     def __init__(self) -> None:
         self._pools: dict[str, torch.Tensor] = {}  # IPC handle (base64) -> opened source pool
+        self._events: dict[bytes, torch.cuda.Event] = {}  # early handoffs' events, opened
 
     def _source(self, info: dict[str, Any]) -> torch.Tensor:
         pool = self._pools.get(info["handle"])
@@ -125,9 +126,50 @@ class CudaIpcTransport(KVTransport):
             sums = copy_block_sums(src, dst_pool, ids)
         return combine(sums.tolist())
 
+    def queue_copy(self, info: dict[str, Any], src_ids: list[int], dst_pool: torch.Tensor,
+                   dst_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """An early handoff's copy (decode_service/handoff.py): queue copy_block_sums of src_ids
+        into dst_ids on the current stream (the caller's transfer stream), the sums' copy to
+        pinned host memory behind it, and an event behind that; returns (the host sums, the
+        event), read once the event completes. One GPU, contiguous pools of one dtype;
+        TransferError otherwise or for ids outside either pool."""
+        src = self._source(info)
+        if (src.device != dst_pool.device or not src.is_contiguous()
+                or not dst_pool.is_contiguous() or src.dtype != dst_pool.dtype
+                or src.shape[:2] != dst_pool.shape[:2] or src.shape[3:] != dst_pool.shape[3:]):
+            raise TransferError("an early copy needs two contiguous pools of one shape and dtype "
+                                "on one GPU")
+        if (len(src_ids) != len(dst_ids)
+                or any(not 0 <= b < src.shape[BLOCK_AXIS] for b in src_ids)
+                or any(not 0 <= b < dst_pool.shape[BLOCK_AXIS] for b in dst_ids)):
+            raise TransferError("early copy: block ids outside the pools")
+        from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
+        ids = to_device([list(src_ids), list(dst_ids)], torch.int64, src.device)
+        with torch.cuda.device(src.device):  # Triton launches on the current device
+            sums = copy_block_sums(src, dst_pool, ids)
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def open_event(self, info: dict[str, Any], handle: bytes) -> torch.cuda.Event:
+        """The source process's interprocess event with that handle, opened once (any
+        thread)."""
+        event = self._events.get(handle)
+        if event is None:
+            try:
+                event = torch.cuda.Event.from_ipc_handle(
+                    local_device_index(info["device_uuid"]), handle)
+            except RuntimeError as e:
+                raise TransferError(f"cannot open the source's CUDA IPC event: {e}") from e
+            self._events[handle] = event
+        return event
+
     def forget(self, handle: str) -> None:
         """Drop the cached pool of a source that went away."""
         self._pools.pop(handle, None)
 
     def close(self) -> None:
         self._pools.clear()
+        self._events.clear()

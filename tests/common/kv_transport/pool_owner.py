@@ -4,11 +4,14 @@
 
 Makes a pool filled with seeded random data (generated on the CPU, so the test can regenerate it),
 offers it through a KVSource, prints the handoff descriptor as one JSON line, then obeys stdin:
-"scribble B" adds 1 to block B and answers "ok"; "exit" closes the source and the pool file.
+"scribble B" adds 1 to block B and answers "ok"; "late_scribble B" (CUDA) queues the same behind
+~0.1 s of GPU work, records an interprocess event behind it and answers the event's IPC handle
+(base64) without waiting; "exit" closes the source and the pool file.
 """
 
 from __future__ import annotations
 
+import base64
 import sys
 
 import torch
@@ -38,6 +41,7 @@ def main() -> None:
     desc = source.describe("req-1", block_ids, num_tokens=len(block_ids) * shape[3] - 1,
                            block_hashes=[1, 2])
     print(desc.to_json(), flush=True)
+    events = []
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "scribble":
@@ -45,6 +49,13 @@ def main() -> None:
             if pool.is_cuda:
                 torch.cuda.synchronize()
             print("ok", flush=True)
+        elif cmd[0] == "late_scribble":  # the early handoff's event: behind slow GPU work
+            event = torch.cuda.Event(interprocess=True)
+            torch.cuda._sleep(int(2e8))  # ~0.1 s of a busy GPU before the write
+            pool[:, :, int(cmd[1])] += 1
+            event.record()
+            print(base64.b64encode(event.ipc_handle()).decode(), flush=True)
+            events.append(event)  # alive until the receiver waited for it
         elif cmd[0] == "exit":
             break
     source.close()
