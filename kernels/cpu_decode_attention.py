@@ -1,7 +1,8 @@
-"""Paged decode attention on the CPU, read in place from the pool (cpu_decode_attention.cpp):
-the CPU path's decode rows, where the torch path copies each sequence's whole context out of the
-pool in every layer of every step. The reference is kernels.torch_ops.paged_attention_decode
-(tests/kernels/test_cpu_decode_attention.py compares the two).
+"""Paged attention on the CPU, read in place from the pool (cpu_decode_attention.cpp): the CPU
+path's decode rows (paged_decode_attention) and prefill/extend chunks (paged_extend_attention),
+where the torch path copies each sequence's whole context out of the pool in every layer of
+every step. The references are kernels.torch_ops.paged_attention_decode and
+paged_attention_extend (tests/kernels/test_cpu_decode_attention.py compares them).
 
 The C++ source is compiled on first use for this CPU (-march=native) and cached on disk
 (kernels.cpu_build: a build directory named for the CPU's flags and the torch version, safe
