@@ -106,6 +106,7 @@ class _Early:
     offer: dict                       # the source pool's cuda_ipc entry
     queued: asyncio.Future
     dropped: bool = False             # nobody will use it: it must not be queued any more
+    queued_unix_s: float = 0.0        # when the copy was queued (the debug log's)
 
     def matches(self, desc: HandoffDescriptor) -> bool:
         ipc = desc.transports.get("cuda_ipc") or {}
@@ -298,11 +299,18 @@ class HandoffInbox:
         if first_token_unix_s and log.isEnabledFor(logging.DEBUG):
             log.debug("handoff %s: doorbell heard %.2f ms after the first token", rid,
                       1e3 * (time.time() - first_token_unix_s))
-        slot.claimed = True
         pulled = _PullAttributes()  # the Deliver call's span gets them (deliver())
-        task = asyncio.get_running_loop().create_task(self._deliver(
-            rid, desc, first_token_id, remaining, pulled, first_token_unix_s))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by Deliver
+        aio = asyncio.get_running_loop()
+        done = self._deliver_now(rid, desc, first_token_id, remaining, pulled,
+                                 first_token_unix_s)
+        if done is not None:  # delivered here and now (an early copy was queued)
+            task = aio.create_future()
+            task.set_result(done)
+        else:
+            slot.claimed = True
+            task = aio.create_task(self._deliver(
+                rid, desc, first_token_id, remaining, pulled, first_token_unix_s))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by Deliver
         self.rung[rid] = (task, pulled)
         self.metrics.handoffs_rung.inc()
         # Forgotten if its Deliver call never comes (the prefill died after ringing).
@@ -360,6 +368,7 @@ class HandoffInbox:
         except (TransferError, RuntimeError) as e:
             _settle(early.queued, e)
             return
+        early.queued_unix_s = time.time()
         early.queued.set_result(result)
 
     def _take_early(self, slot: _Slot, desc: HandoffDescriptor, blocks: list[int],
@@ -416,6 +425,55 @@ class HandoffInbox:
                        time_remaining_s: float | None, span: tracing.Span | _PullAttributes,
                        first_token_unix_s: float) -> tuple[bool, str]:
         arrived = time.monotonic()
+        slot, blocks, after = await self._claim(request_id, first_token_id)
+        deadline = None if time_remaining_s is None else arrived + time_remaining_s
+        slot.pulling = True
+        try:
+            if slot.early is not None and not slot.early.queued.done():
+                # The prefill's step has ended (its checksum is here), so the copy is about
+                # to be queued; waited for a little, then pulled as usual.
+                await asyncio.wait((slot.early.queued,), timeout=EARLY_WAIT_S)
+            reason = self._pull_here(slot, desc, blocks, after, deadline, span,
+                                     first_token_unix_s)
+            if reason is None:
+                reason = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._pull, desc, blocks, after, deadline, span)
+        finally:
+            slot.pulling = False
+            slot.blocks = []  # from here on this call hands them on or frees them
+        return self._hand_over(slot, blocks, first_token_id, reason, arrived,
+                               first_token_unix_s)
+
+    def _deliver_now(self, request_id: str, desc: HandoffDescriptor, first_token_id: int,
+                     time_remaining_s: float, span: _PullAttributes,
+                     first_token_unix_s: float) -> tuple[bool, str] | None:
+        """_deliver without a turn of the event loop, for a ring whose early copy is queued
+        already (then nothing in it waits: the ring's usual case on a GPU); None when it would
+        wait, and nothing was done."""
+        slot = self.slots.get(request_id)
+        if (request_id in self.gone or slot is None or not slot.reserved.done()
+                or slot.reserved.cancelled() or slot.delivered.done() or slot.ended
+                or slot.early is None or not slot.early.queued.done()
+                or slot.early.queued.cancelled() or slot.early.queued.exception() is not None):
+            return None
+        arrived = time.monotonic()
+        slot.claimed = True
+        blocks, after = slot.reserved.result()
+        slot.pulling = True
+        try:
+            reason = self._pull_here(slot, desc, blocks, after, arrived + time_remaining_s, span,
+                                     first_token_unix_s)
+        finally:
+            slot.pulling = False
+            slot.blocks = []
+        if reason is None:  # not this host's GPU after all: never the case for an early copy
+            reason = f"handoff {request_id}: no pull here"
+        return self._hand_over(slot, blocks, first_token_id, reason, arrived, first_token_unix_s)
+
+    async def _claim(self, request_id: str, first_token_id: int,
+                     ) -> tuple[_Slot, list[int], torch.cuda.Event | None]:
+        """A delivery's slot, claimed, with its reserved blocks once they are (waiting up to
+        wait_s for its Decode call); HandoffNotFoundError when nobody waits for the KV."""
         if request_id in self.gone:
             raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
         slot = self._slot(request_id)
@@ -446,25 +504,30 @@ class HandoffInbox:
                                        ) from None
         if slot.delivered.done() or slot.ended:
             raise HandoffNotFoundError(f"request {request_id!r} is no longer waiting for its KV")
-        deadline = None if time_remaining_s is None else arrived + time_remaining_s
-        slot.pulling = True
-        try:
-            if slot.early is not None and not slot.early.queued.done():
-                # The prefill's step has ended (its checksum is here), so the copy is about
-                # to be queued; waited for a little, then pulled as usual.
-                await asyncio.wait((slot.early.queued,), timeout=EARLY_WAIT_S)
-            reason = self._take_early(slot, desc, blocks, deadline, span)
-            if reason is None:
-                if self.loop.engine.kv_cache.is_cuda and desc.source_host_id == self.receiver.host:
-                    # On one host a GPU pull is a copy and a checksum kernel, ~0.5 ms: done
-                    # here, as the hop to the pull thread and back cost more (the GIL).
-                    reason = self._pull(desc, blocks, after, deadline, span)
-                else:
-                    reason = await asyncio.get_running_loop().run_in_executor(
-                        self._executor, self._pull, desc, blocks, after, deadline, span)
-        finally:
-            slot.pulling = False
-            slot.blocks = []  # from here on this call hands them on or frees them
+        return slot, blocks, after
+
+    def _pull_here(self, slot: _Slot, desc: HandoffDescriptor, blocks: list[int],
+                   after: torch.cuda.Event | None, deadline: float | None,
+                   span: tracing.Span | _PullAttributes, first_token_unix_s: float) -> str | None:
+        """The pull on the event loop's thread: the early copy's sums compared, or on one
+        host's GPU the copy and its checksum kernel (~0.5 ms: the hop to the pull thread and
+        back cost more, waiting for the GIL); None when the pull thread must do it."""
+        early = slot.early
+        if (early is not None and early.queued_unix_s and first_token_unix_s
+                and log.isEnabledFor(logging.DEBUG)):
+            log.debug("handoff %s: early copy queued %.2f ms after the first token",
+                      desc.request_id, 1e3 * (early.queued_unix_s - first_token_unix_s))
+        reason = self._take_early(slot, desc, blocks, deadline, span)
+        if reason is None and (self.loop.engine.kv_cache.is_cuda
+                               and desc.source_host_id == self.receiver.host):
+            reason = self._pull(desc, blocks, after, deadline, span)
+        return reason
+
+    def _hand_over(self, slot: _Slot, blocks: list[int], first_token_id: int, reason: str,
+                   arrived: float, first_token_unix_s: float) -> tuple[bool, str]:
+        """After the pull: the KV to the Decode call (admitted to the engine at once when it
+        asked), or the blocks freed and the prompt left to recompute."""
+        request_id = slot.request_id
         handoff_ms = 1e3 * (time.monotonic() - arrived)
         if slot.ended:  # the Decode call left during the pull
             self._free(blocks)

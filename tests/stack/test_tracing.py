@@ -10,7 +10,6 @@ service sends no trace context at all (tests/common/serving/test_tracing.py)."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from concurrent import futures
 
@@ -175,16 +174,22 @@ def test_a_migration_is_an_event_of_the_request(cluster, receiver):
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     outcome: dict = {}
 
+    outcome["tokens"] = tokens = []
+
     def stream():
-        outcome["tokens"] = [t for m in cluster.stub.GenerateStream(
-            request(300, prompt_len=50), timeout=120,
-            metadata=(("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)) for t in m.token_ids]
+        for m in cluster.stub.GenerateStream(
+                request(300, prompt_len=50), timeout=120,
+                metadata=(("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)):
+            tokens.extend(m.token_ids)
     thread = threading.Thread(target=stream)
     thread.start()
     decoding = wait_until("a decode service at work", lambda: [
         slot for slot, iid in cluster.instance_ids.items()
         if slot.startswith("decode") and _decoding(cluster, iid)], 60, interval_s=0.05)
-    time.sleep(0.3)
+    # Killed once a few tokens reached the client, long before the 300th: a sleep here let a
+    # fast run finish first (no migration to record).
+    wait_until("the first tokens", lambda: len(tokens) >= 4, 60, interval_s=0.005)
+    assert len(tokens) < 300
     cluster.kill(decoding[0])
     thread.join(120)
     assert len(outcome["tokens"]) == 300
