@@ -38,7 +38,7 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from common.serving.datagram import drain
 from protos.splitserve.v1 import decode_pb2, prefill_pb2
@@ -65,55 +65,21 @@ def _datagram_socket() -> socket.socket:
     return sock
 
 
-class ExpressClient:
-    """The gateway's end: sends ExpressPrefill datagrams from a socket of its own (named for
-    this process) and hands each reply to the future of its request id."""
+class _Replies:
+    """One reply socket of the gateway's: each datagram, parsed as `kind`, resolves the future
+    of its request id (`unpack` gives the request id and what the future gets)."""
 
-    def __init__(self) -> None:
-        self.name = f"\0splitserve-express-reply/{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
-        self._sock = _datagram_socket()
-        self._sock.bind(self.name)
-        self._waiting: dict[str, asyncio.Future[prefill_pb2.PrefillResponse]] = {}
-        # Decode services' first messages (ExpressDecodeReply), on a socket of their own.
-        self.decode_name = self.name + b"/decode"
-        self._decode_sock = _datagram_socket()
-        self._decode_sock.bind(self.decode_name)
-        self._decode_waiting: dict[str, asyncio.Future[decode_pb2.DecodeResponse]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+    def __init__(self, name: bytes, kind: type[Message],
+                 unpack: Callable[[Message], tuple[str, Message]]):
+        self.name = name
+        self.sock = _datagram_socket()
+        self.sock.bind(name)
+        self._kind = kind
+        self._unpack = unpack
+        self._waiting: dict[str, asyncio.Future] = {}
 
-    def start(self) -> ExpressClient:
-        """Read replies on the running event loop."""
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock.fileno(), self._read)
-        self._loop.add_reader(self._decode_sock.fileno(), self._read_decode)
-        return self
-
-    def expect_decode(self, request_id: str) -> asyncio.Future[decode_pb2.DecodeResponse] | None:
-        """The future of a Decode stream's first message, for a Decode call sent with
-        express_reply_to=decode_name (None before start())."""
-        if self._loop is None:
-            return None
-        future = self._decode_waiting[request_id] = self._loop.create_future()
-        return future
-
-    def forget_decode(self, request_id: str) -> None:
-        future = self._decode_waiting.pop(request_id, None)
-        if future is not None and not future.done():
-            future.cancel()
-
-    def send(self, prefill_address: str, message: prefill_pb2.ExpressPrefill,
-             ) -> asyncio.Future[prefill_pb2.PrefillResponse] | None:
-        """The future of the first PrefillResponse, or None when the datagram did not go out (no
-        express socket at that address on this host, its queue full, too large)."""
-        if self._loop is None:
-            return None
-        rid = message.request.request_id
-        try:
-            self._sock.sendto(message.SerializeToString(), listen_name(prefill_address))
-        except OSError:
-            return None
-        future = self._loop.create_future()
-        self._waiting[rid] = future
+    def expect(self, loop: asyncio.AbstractEventLoop, request_id: str) -> asyncio.Future:
+        future = self._waiting[request_id] = loop.create_future()
         return future
 
     def forget(self, request_id: str) -> None:
@@ -121,44 +87,76 @@ class ExpressClient:
         if future is not None and not future.done():
             future.cancel()
 
-    def _read(self) -> None:
-        drain(self._sock, MAX_DATAGRAM, self._on_reply)
+    def read(self) -> None:
+        drain(self.sock, MAX_DATAGRAM, self._on_reply)
 
     def _on_reply(self, data: bytes, _sender) -> None:
         try:
-            reply = prefill_pb2.PrefillResponse.FromString(data)
+            request_id, reply = self._unpack(self._kind.FromString(data))
         except DecodeError:
-            log.warning("express: dropped a reply that is not a PrefillResponse (%d bytes)",
-                        len(data))
+            log.warning("express: dropped a reply that does not parse as %s (%d bytes)",
+                        self._kind.__name__, len(data))
             return
-        future = self._waiting.pop(reply.request_id, None)
+        future = self._waiting.pop(request_id, None)
         if future is not None and not future.done():
             future.set_result(reply)
 
-    def _read_decode(self) -> None:
-        drain(self._decode_sock, MAX_DATAGRAM, self._on_decode_reply)
-
-    def _on_decode_reply(self, data: bytes, _sender) -> None:
-        try:
-            reply = decode_pb2.ExpressDecodeReply.FromString(data)
-        except DecodeError:
-            log.warning("express: dropped a reply that is not an ExpressDecodeReply (%d bytes)",
-                        len(data))
-            return
-        future = self._decode_waiting.pop(reply.request_id, None)
-        if future is not None and not future.done():
-            future.set_result(reply.response)
-
-    def close(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._sock.fileno())
-            self._loop.remove_reader(self._decode_sock.fileno())
+    def close(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.sock.fileno())
         for rid in list(self._waiting):
             self.forget(rid)
-        for rid in list(self._decode_waiting):
-            self.forget_decode(rid)
-        self._sock.close()
-        self._decode_sock.close()
+        self.sock.close()
+
+
+class ExpressClient:
+    """The gateway's end: sends ExpressPrefill datagrams from a socket of its own (named for
+    this process) and hands each reply to the future of its request id; decode services' first
+    messages (ExpressDecodeReply) come to a second socket (decode_name)."""
+
+    def __init__(self) -> None:
+        self.name = f"\0splitserve-express-reply/{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
+        self._prefill = _Replies(self.name, prefill_pb2.PrefillResponse,
+                                 lambda r: (r.request_id, r))
+        self._sock = self._prefill.sock
+        self.decode_name = self.name + b"/decode"
+        self._decode = _Replies(self.decode_name, decode_pb2.ExpressDecodeReply,
+                                lambda r: (r.request_id, r.response))
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> ExpressClient:
+        """Read replies on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        for replies in (self._prefill, self._decode):
+            self._loop.add_reader(replies.sock.fileno(), replies.read)
+        return self
+
+    def send(self, prefill_address: str, message: prefill_pb2.ExpressPrefill,
+             ) -> asyncio.Future[prefill_pb2.PrefillResponse] | None:
+        """The future of the first PrefillResponse, or None when the datagram did not go out (no
+        express socket at that address on this host, its queue full, too large)."""
+        if self._loop is None:
+            return None
+        try:
+            self._sock.sendto(message.SerializeToString(), listen_name(prefill_address))
+        except OSError:
+            return None
+        return self._prefill.expect(self._loop, message.request.request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._prefill.forget(request_id)
+
+    def expect_decode(self, request_id: str) -> asyncio.Future[decode_pb2.DecodeResponse] | None:
+        """The future of a Decode stream's first message, for a Decode call sent with
+        express_reply_to=decode_name (None before start())."""
+        return None if self._loop is None else self._decode.expect(self._loop, request_id)
+
+    def forget_decode(self, request_id: str) -> None:
+        self._decode.forget(request_id)
+
+    def close(self) -> None:
+        for replies in (self._prefill, self._decode):
+            replies.close(self._loop)
 
 
 class ExpressListener:
