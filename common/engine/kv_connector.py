@@ -14,9 +14,9 @@ to no sequence.
 Thread rule: every method runs on the engine's thread (services call through EngineLoop.call),
 except reads of `pool`, the KV pool tensor itself, which transfer threads may read (held blocks)
 and write (reserved blocks) while the engine steps, and `checksum_of`, `watch` and `unwatch`,
-which any thread may call. A copy into reserved blocks on a GPU first waits for the event reserve_for_copy()
-returned, if any (the step in flight may still write blocks that were free when it was
-launched).
+which any thread may call. A copy into reserved blocks on a GPU first waits for the event
+reserve_for_copy() returned, if any (the step in flight may still write blocks that were free
+when it was launched).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class KVConnector:
         same stream): later, never too soon."""
         if len(self._ipc_events) < IPC_EVENTS:
             event = torch.cuda.Event(interprocess=True)
-            event.record()  # a handle is only given for an event that was recorded once
+            event.record()  # torch creates the event at its first use: on this device, now
             self._ipc_events.append((event, event.ipc_handle()))
         pair = self._ipc_events[self._next_ipc_event % len(self._ipc_events)]
         self._next_ipc_event += 1
