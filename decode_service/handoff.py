@@ -427,15 +427,20 @@ class HandoffInbox:
         arrived = time.monotonic()
         slot, blocks, after = await self._claim(request_id, first_token_id)
         deadline = None if time_remaining_s is None else arrived + time_remaining_s
-        slot.pulling = True
+        here = slot.early is not None or (self.loop.engine.kv_cache.is_cuda
+                                          and desc.source_host_id == self.receiver.host)
+        if here and (slot.early is None or slot.early.queued.done()):
+            return self._pull_and_hand_over(slot, desc, first_token_id, blocks, after, arrived,
+                                            deadline, span, first_token_unix_s)
+        slot.pulling = True  # the blocks stay this call's while it waits
         try:
-            if slot.early is not None and not slot.early.queued.done():
-                # The prefill's step has ended (its checksum is here), so the copy is about
-                # to be queued; waited for a little, then pulled as usual.
+            if here:
+                # The prefill's step has ended (its checksum is here), so the early copy is
+                # about to be queued; waited for a little, then pulled as usual.
                 await asyncio.wait((slot.early.queued,), timeout=EARLY_WAIT_S)
-            reason = self._pull_here(slot, desc, blocks, after, deadline, span,
-                                     first_token_unix_s)
-            if reason is None:
+                reason = self._pull_here(slot, desc, blocks, after, deadline, span,
+                                         first_token_unix_s)
+            else:
                 reason = await asyncio.get_running_loop().run_in_executor(
                     self._executor, self._pull, desc, blocks, after, deadline, span)
         finally:
@@ -453,22 +458,28 @@ class HandoffInbox:
         slot = self.slots.get(request_id)
         if (request_id in self.gone or slot is None or not slot.reserved.done()
                 or slot.reserved.cancelled() or slot.delivered.done() or slot.ended
-                or slot.early is None or not slot.early.queued.done()
-                or slot.early.queued.cancelled() or slot.early.queued.exception() is not None):
+                or slot.early is None or not slot.early.queued.done()):
             return None
         arrived = time.monotonic()
         slot.claimed = True
         blocks, after = slot.reserved.result()
+        return self._pull_and_hand_over(slot, desc, first_token_id, blocks, after, arrived,
+                                        arrived + time_remaining_s, span, first_token_unix_s)
+
+    def _pull_and_hand_over(self, slot: _Slot, desc: HandoffDescriptor, first_token_id: int,
+                            blocks: list[int], after: torch.cuda.Event | None, arrived: float,
+                            deadline: float | None, span: tracing.Span | _PullAttributes,
+                            first_token_unix_s: float) -> tuple[bool, str]:
+        """A delivery pulled on the event loop's thread (_pull_here), then handed over."""
         slot.pulling = True
         try:
-            reason = self._pull_here(slot, desc, blocks, after, arrived + time_remaining_s, span,
+            reason = self._pull_here(slot, desc, blocks, after, deadline, span,
                                      first_token_unix_s)
         finally:
             slot.pulling = False
-            slot.blocks = []
-        if reason is None:  # not this host's GPU after all: never the case for an early copy
-            reason = f"handoff {request_id}: no pull here"
-        return self._hand_over(slot, blocks, first_token_id, reason, arrived, first_token_unix_s)
+            slot.blocks = []  # from here on this call hands them on or frees them
+        return self._hand_over(slot, blocks, first_token_id, reason, arrived,
+                               first_token_unix_s)
 
     async def _claim(self, request_id: str, first_token_id: int,
                      ) -> tuple[_Slot, list[int], torch.cuda.Event | None]:
@@ -508,20 +519,17 @@ class HandoffInbox:
 
     def _pull_here(self, slot: _Slot, desc: HandoffDescriptor, blocks: list[int],
                    after: torch.cuda.Event | None, deadline: float | None,
-                   span: tracing.Span | _PullAttributes, first_token_unix_s: float) -> str | None:
-        """The pull on the event loop's thread: the early copy's sums compared, or on one
-        host's GPU the copy and its checksum kernel (~0.5 ms: the hop to the pull thread and
-        back cost more, waiting for the GIL); None when the pull thread must do it."""
+                   span: tracing.Span | _PullAttributes, first_token_unix_s: float) -> str:
+        """The pull on the event loop's thread, for a GPU pool on the source's host: the early
+        copy's sums compared, else the copy and its checksum kernel (~0.5 ms: the hop to the
+        pull thread and back cost more, waiting for the GIL); "" or why the KV is refused."""
         early = slot.early
         if (early is not None and early.queued_unix_s and first_token_unix_s
                 and log.isEnabledFor(logging.DEBUG)):
             log.debug("handoff %s: early copy queued %.2f ms after the first token",
                       desc.request_id, 1e3 * (early.queued_unix_s - first_token_unix_s))
         reason = self._take_early(slot, desc, blocks, deadline, span)
-        if reason is None and (self.loop.engine.kv_cache.is_cuda
-                               and desc.source_host_id == self.receiver.host):
-            reason = self._pull(desc, blocks, after, deadline, span)
-        return reason
+        return self._pull(desc, blocks, after, deadline, span) if reason is None else reason
 
     def _hand_over(self, slot: _Slot, blocks: list[int], first_token_id: int, reason: str,
                    arrived: float, first_token_unix_s: float) -> tuple[bool, str]:

@@ -167,7 +167,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if pending and not isinstance(out, BaseException):
                 pending = False
                 try:
-                    if self.lane.reply(request.express_reply_to, rid, self._response(
+                    if self.lane.reply_decode(request.express_reply_to, rid, self._response(
                             out, request, first, True, first.joined)):
                         self.metrics.express_replies.inc()
                 except Exception:  # never into the engine loop: the stream carries it anyway

@@ -148,7 +148,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 span.end()
             self.instance.num_inflight -= 1
             if not delivering:  # ended, cancelled or failed before delivering: release now
-                loop.engine.kv.unwatch(rid)
                 loop.abort(rid)
 
     def _start(self, request: prefill_pb2.PrefillRequest, trace_metadata,
@@ -224,7 +223,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             run.expiry.cancel()
         tracing.failed(run.span, f"express start dropped: {why}")
         run.span.end()
-        self.instance.loop.engine.kv.unwatch(rid)
         self.instance.loop.abort(rid)
 
     def _first_response(self, rid: str, final, params: SamplingParams, carried: list[int],
@@ -267,7 +265,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if run is not None:
             run.expiry.cancel()
             run.span.end()
-            self.instance.loop.engine.kv.unwatch(rid)
         if rid in self.handing_off:  # released when the delivery ends
             return prefill_pb2.PrefillServiceAbortResponse(found=True)
         return prefill_pb2.PrefillServiceAbortResponse(found=await asyncio.wrap_future(

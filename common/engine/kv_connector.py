@@ -13,8 +13,8 @@ to no sequence.
 
 Thread rule: every method runs on the engine's thread (services call through EngineLoop.call),
 except reads of `pool`, the KV pool tensor itself, which transfer threads may read (held blocks)
-and write (reserved blocks) while the engine steps, and `checksum_of`, `watch` and `unwatch`,
-which any thread may call. A copy into reserved blocks on a GPU first waits for the event
+and write (reserved blocks) while the engine steps, and `checksum_of` and `watch`, which any
+thread may call. A copy into reserved blocks on a GPU first waits for the event
 reserve_for_copy() returned, if any (the step in flight may still write blocks that were free
 when it was launched).
 """
@@ -113,12 +113,9 @@ class KVConnector:
         held prompt's last KV is launched (queue_checksum), callback(block ids, handle) is
         called on the engine thread with the CUDA IPC handle of an event recorded right behind
         that step's forward (an early handoff: another process may wait for the event and copy
-        the blocks then). Once per request; never on a CPU."""
+        the blocks then). Once per request; never on a CPU. release() forgets it, so the
+        engine's abort of a request that never reached its last step does too."""
         self._watchers[request_id] = callback
-
-    def unwatch(self, request_id: str) -> None:
-        """Any thread: forget watch()'s callback (the request ended without its last step)."""
-        self._watchers.pop(request_id, None)
 
     def _ipc_event(self) -> tuple[torch.cuda.Event, bytes]:
         """The next of IPC_EVENTS interprocess events, round robin. A process waiting for an

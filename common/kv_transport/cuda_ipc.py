@@ -88,6 +88,24 @@ def open_pool(info: dict[str, Any]) -> torch.Tensor:
             _unb64(info["event_handle"]), info["event_sync_required"])
 
 
+def _one_gpu(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Both pools contiguous, of one dtype, on one GPU: copy_block_sums takes them."""
+    return (src.device == dst.device and src.is_contiguous() and dst.is_contiguous()
+            and src.dtype == dst.dtype)
+
+
+def _copy_with_sums(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
+                    dst_ids: list[int]) -> torch.Tensor:
+    """Queue copy_block_sums on the current stream: [n, 2] int64 sums on the device.
+    TransferError for destination ids outside dst."""
+    if any(not 0 <= b < dst.shape[BLOCK_AXIS] for b in dst_ids):
+        raise TransferError(f"destination block ids outside [0, {dst.shape[BLOCK_AXIS]})")
+    from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
+    ids = to_device([list(src_ids), list(dst_ids)], torch.int64, src.device)
+    with torch.cuda.device(src.device):  # Triton launches on the current device
+        return copy_block_sums(src, dst, ids)
+
+
 class CudaIpcTransport(KVTransport):
     name = "cuda_ipc"
 
@@ -114,17 +132,11 @@ class CudaIpcTransport(KVTransport):
             raise TransferError("cuda_ipc needs a CUDA destination pool")
         src = self._source(info)
         check_source(desc, src)
-        if (src.device != dst_pool.device or not src.is_contiguous()
-                or not dst_pool.is_contiguous() or src.dtype != dst_pool.dtype):
+        if not _one_gpu(src, dst_pool):
             copy_blocks(src, desc.block_ids, dst_pool, dst_block_ids)
             return None
-        if any(not 0 <= b < dst_pool.shape[BLOCK_AXIS] for b in dst_block_ids):
-            raise TransferError(f"destination block ids outside [0, {dst_pool.shape[BLOCK_AXIS]})")
-        from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
-        ids = to_device([list(desc.block_ids), list(dst_block_ids)], torch.int64, src.device)
-        with torch.cuda.device(src.device):  # Triton launches on the current device
-            sums = copy_block_sums(src, dst_pool, ids)
-        return combine(sums.tolist())
+        return combine(_copy_with_sums(src, list(desc.block_ids), dst_pool,
+                                       dst_block_ids).tolist())
 
     def queue_copy(self, info: dict[str, Any], src_ids: list[int], dst_pool: torch.Tensor,
                    dst_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -134,19 +146,14 @@ class CudaIpcTransport(KVTransport):
         event), read once the event completes. One GPU, contiguous pools of one dtype;
         TransferError otherwise or for ids outside either pool."""
         src = self._source(info)
-        if (src.device != dst_pool.device or not src.is_contiguous()
-                or not dst_pool.is_contiguous() or src.dtype != dst_pool.dtype
-                or src.shape[:2] != dst_pool.shape[:2] or src.shape[3:] != dst_pool.shape[3:]):
+        if (not _one_gpu(src, dst_pool) or src.shape[:2] != dst_pool.shape[:2]
+                or src.shape[3:] != dst_pool.shape[3:]):
             raise TransferError("an early copy needs two contiguous pools of one shape and dtype "
                                 "on one GPU")
-        if (len(src_ids) != len(dst_ids)
-                or any(not 0 <= b < src.shape[BLOCK_AXIS] for b in src_ids)
-                or any(not 0 <= b < dst_pool.shape[BLOCK_AXIS] for b in dst_ids)):
+        if len(src_ids) != len(dst_ids) or any(not 0 <= b < src.shape[BLOCK_AXIS]
+                                               for b in src_ids):
             raise TransferError("early copy: block ids outside the pools")
-        from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
-        ids = to_device([list(src_ids), list(dst_ids)], torch.int64, src.device)
-        with torch.cuda.device(src.device):  # Triton launches on the current device
-            sums = copy_block_sums(src, dst_pool, ids)
+        sums = _copy_with_sums(src, src_ids, dst_pool, dst_ids)
         host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
         host.copy_(sums, non_blocking=True)
         done = torch.cuda.Event()

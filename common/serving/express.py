@@ -169,8 +169,7 @@ class ExpressListener:
         self._on_request = on_request
         self._sock = _datagram_socket()
         self._sock.bind(self.name)
-        self._reply = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._reply.setblocking(False)
+        self._reply = ExpressReplier()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> ExpressListener:
@@ -180,11 +179,7 @@ class ExpressListener:
 
     def reply(self, address: bytes, response: prefill_pb2.PrefillResponse) -> bool:
         """Send the first PrefillResponse to the gateway at address; False if it did not go out."""
-        try:
-            self._reply.sendto(response.SerializeToString(), address)
-            return True
-        except OSError:
-            return False
+        return self._reply.send(address, response)
 
     def _read(self) -> None:
         drain(self._sock, MAX_DATAGRAM, self._on_datagram)
@@ -211,21 +206,26 @@ class ExpressListener:
 
 
 class ExpressReplier:
-    """A decode service's end: sends a Decode stream's first message to a gateway's decode reply
-    socket; reply() may be called from any thread (the engine's)."""
+    """Sends replies to gateways' reply sockets from an unbound socket of its own: a prefill
+    service's first PrefillResponse (ExpressListener.reply), a decode service's first stream
+    message (reply_decode). Any thread may call them (the engine's does)."""
 
     def __init__(self) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
 
-    def reply(self, address: bytes, request_id: str, response: decode_pb2.DecodeResponse) -> bool:
+    def send(self, address: bytes, message: Message) -> bool:
         """False if it did not go out (nobody listening, the queue full, too large)."""
         try:
-            self._sock.sendto(decode_pb2.ExpressDecodeReply(
-                request_id=request_id, response=response).SerializeToString(), address)
+            self._sock.sendto(message.SerializeToString(), address)
             return True
         except OSError:
             return False
+
+    def reply_decode(self, address: bytes, request_id: str,
+                     response: decode_pb2.DecodeResponse) -> bool:
+        return self.send(address, decode_pb2.ExpressDecodeReply(request_id=request_id,
+                                                                 response=response))
 
     def close(self) -> None:
         self._sock.close()

@@ -77,15 +77,15 @@ def test_a_decode_services_first_message_by_datagram():
             raw.close()
             message = decode_pb2.DecodeResponse(token_ids=[7, 8], text="ab", index=0,
                                                 handoff_critical_ms=1.5)
-            assert replier.reply(client.decode_name, "nobody-waits", message)  # dropped
-            sent = threading.Thread(target=replier.reply,
+            assert replier.reply_decode(client.decode_name, "nobody-waits", message)  # dropped
+            sent = threading.Thread(target=replier.reply_decode,
                                     args=(client.decode_name, "r1", message))
             sent.start()
             got = await asyncio.wait_for(waiting, 5)
             sent.join()
             client.forget_decode("r2")
             assert forgotten.cancelled()
-            assert not replier.reply(b"\0splitserve-express-reply/nobody", "r3", message)
+            assert not replier.reply_decode(b"\0splitserve-express-reply/nobody", "r3", message)
             return got, message
         finally:
             replier.close()
