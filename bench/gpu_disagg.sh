@@ -18,7 +18,12 @@
 # the whole GPU test collection stops, as it did on 2026-12-02) and xgrammar: add
 #     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
 #     rpds-py==2026.9.1 attrs==26.1.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-# JSON and logs go to $OUT (./out when unset).
+# JSON and logs go to $OUT (./out when unset). LOG_LEVELS (default "info debug"): the one-GPU
+# case runs once per level; figures are read from the info run (debug logging puts ~0.35 ms on
+# the handoff's critical path), the critical path's breakdown (the decode's "critical path"
+# lines: each moment in ms after the prefill's first token) from the debug run. TESTS=1 runs
+# the GPU tests of the handoff's transports and sums first. EXTRA_FLAGS: more flags for the
+# prefill and decode services (an A/B: run it twice, each with its own OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"
@@ -43,31 +48,38 @@ for _ in range(3):
     print(f"kv_checksum: {1e3 * (time.perf_counter() - t):.3f} ms")
 PY
 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_block_sums.py 2>&1 | tail -1
+if [ "${TESTS:-0}" = 1 ]; then
+    echo "== GPU tests of the handoff"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/common/kv_transport \
+        tests/common/engine/test_kv_connector_cuda.py 2>&1 | tail -3
+fi
 
 SHAPE="${SHAPE:-llama-3-8b}"
 FLAGS="--dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 2048"
-FLAGS="$FLAGS --cuda-graph-prefill-tokens 512 --log-level debug"
-run_case() {  # name, prefill device, decode device
-    echo "== $1: prefill on $2, decode on $3 ($(date +%T))"
+FLAGS="$FLAGS --cuda-graph-prefill-tokens 512 ${EXTRA_FLAGS:-}"
+run_case() {  # name, prefill device, decode device, log level
+    echo "== $1: prefill on $2, decode on $3, --log-level $4 ($(date +%T))"
     rm -rf /tmp/stack-latency-*
     timeout 280 python3 bench/stack_latency.py --model "dummy:$SHAPE" --vocab 128000 \
         --prefill-device "$2" --decode-device "$3" --local-device "$3" \
         --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests 8 --load-streams 16 \
-        --engine-flags="$FLAGS" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
+        --engine-flags="$FLAGS --log-level $4" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
     rc=$?
     tail -9 "/tmp/disagg_$1.log"
-    for role in prefill decode; do
-        grep -h "handoff .*ms" "$(ls -d /tmp/stack-latency-* | head -1)/$role.log" | tail -8 \
+    if [ "$4" = debug ]; then
+        grep -h "critical path" "$(ls -d /tmp/stack-latency-* | head -1)/decode.log" | tail -12 \
             | sed 's/.*DEBUG //'
-    done
+    fi
     if [ $rc -ne 0 ]; then
         echo "-- rc $rc; service logs:"
         tail -n 25 /tmp/stack-latency-*/*.log
     fi
 }
-run_case same_gpu cuda:0 cuda:0
+for level in ${LOG_LEVELS:-info debug}; do
+    run_case "same_gpu_$level" cuda:0 cuda:0 "$level"
+done
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    run_case two_gpus cuda:0 cuda:1
+    run_case two_gpus cuda:0 cuda:1 info
 else
     echo "== two_gpus: skipped (one GPU visible)"
 fi

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -95,6 +96,10 @@ class Taken:
     # when (time.time()): the end of the handoff's critical path.
     admitted: Future | None = None
     admitted_unix_s: float = 0.0
+    # The handoff's moments on its way here (time.time(), by name, in the order they came:
+    # ring sent, heard, early event seen and copy queued, verified), for the debug log's
+    # breakdown of the critical path (DecodeServicer).
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -105,8 +110,12 @@ class _Early:
     block_ids: list[int]              # the source's blocks
     offer: dict                       # the source pool's cuda_ipc entry
     queued: asyncio.Future
+    # The handoff's descriptor but for its checksum and block hashes, which the short ring
+    # at the first token brings (None: the ring brings a whole descriptor).
+    desc: HandoffDescriptor | None = None
     dropped: bool = False             # nobody will use it: it must not be queued any more
-    queued_unix_s: float = 0.0        # when the copy was queued (the debug log's)
+    event_unix_s: float = 0.0         # when the waiting thread saw the event (Taken.marks)
+    queued_unix_s: float = 0.0        # when the copy was queued (Taken.marks)
 
     def matches(self, desc: HandoffDescriptor) -> bool:
         ipc = desc.transports.get("cuda_ipc") or {}
@@ -136,6 +145,8 @@ class _Slot:
     ended: bool = False               # the Decode call left: nobody takes the blocks
     reserve_ms: float = 0.0           # how long reserving took (Taken.reserve_ms)
     early: _Early | None = None       # an early doorbell ring's copy (see _ring_early)
+    early_ring: dict | None = None    # an early ring that came before the reservation
+    marks: dict[str, float] = field(default_factory=dict)  # Taken.marks, gathered
 
 
 class _PullAttributes:
@@ -215,6 +226,9 @@ class HandoffInbox:
         slot.blocks = blocks
         slot.reserve_ms = reserve_ms = 1e3 * (time.monotonic() - start)
         slot.reserved.set_result((blocks, after))
+        if slot.early_ring is not None:  # it came while the blocks were being reserved
+            message, slot.early_ring = slot.early_ring, None
+            self._ring_early(slot, message)
         try:
             while True:
                 try:
@@ -278,16 +292,26 @@ class HandoffInbox:
         request's blocks are reserved and nobody pulls them yet; else leave it to Deliver.
         An early ring (a GPU on this host, sent when the prompt's last step was launched)
         starts the copy behind that step instead (_ring_early)."""
+        heard = time.time()
         rid = message.get("request_id")
         slot = self.slots.get(rid) if isinstance(rid, str) else None
         if message.get("early"):
+            if slot is None and isinstance(rid, str) and rid and rid not in self.gone:
+                slot = self._early_slot(rid)
+            if slot is not None:
+                slot.marks["early ring heard"] = heard
+                if not slot.reserved.done():  # taken up once the Decode call reserved
+                    slot.early_ring = message
+                    return
             self._ring_early(slot, message)
             return
         if (slot is None or slot.claimed or not slot.reserved.done()
                 or slot.reserved.cancelled() or slot.delivered.done() or slot.ended):
             return
         try:
-            desc = HandoffDescriptor.from_json(message["descriptor_json"])
+            desc = self._ring_descriptor(slot, message)
+            if desc is None:  # a short ring without the early ring's descriptor: Deliver's
+                return
             first_token_id = int(message["first_token_id"])
             remaining = float(message["deadline_unix_s"]) - time.time()
             first_token_unix_s = float(message.get("first_token_unix_s", 0.0))
@@ -296,9 +320,10 @@ class HandoffInbox:
             return
         if remaining <= DEADLINE_MARGIN_S or desc.request_id != rid:
             return
-        if first_token_unix_s and log.isEnabledFor(logging.DEBUG):
-            log.debug("handoff %s: doorbell heard %.2f ms after the first token", rid,
-                      1e3 * (time.time() - first_token_unix_s))
+        with contextlib.suppress(TypeError, ValueError):
+            slot.marks["output at prefill sink"] = float(message.get("output_unix_s", 0.0))
+            slot.marks["ring sent"] = float(message.get("sent_unix_s", 0.0))
+        slot.marks["heard"] = heard
         pulled = _PullAttributes()  # the Deliver call's span gets them (deliver())
         aio = asyncio.get_running_loop()
         done = self._deliver_now(rid, desc, first_token_id, remaining, pulled,
@@ -319,6 +344,32 @@ class HandoffInbox:
             lambda: self.rung.pop(rid, None) if self.rung.get(rid, (None,))[0] is task
             else None)
 
+    @staticmethod
+    def _ring_descriptor(slot: _Slot, message: dict) -> HandoffDescriptor | None:
+        """A ring's descriptor: its own, or for a short ring (at the first token, after an
+        early ring) the early ring's with the checksum and block hashes it lacked; None when
+        the early ring's is not here."""
+        if "descriptor_json" in message:
+            return HandoffDescriptor.from_json(message["descriptor_json"])
+        if slot.early is None or slot.early.desc is None:
+            return None
+        return dataclasses.replace(slot.early.desc, checksum=int(message["checksum"]),
+                                   block_hashes=[int(h) for h in message["block_hashes"]])
+
+    def _early_slot(self, request_id: str) -> _Slot:
+        """The slot of a request whose early ring came before its Decode call (both leave
+        the gateway at once; the ring wins when the prompt is launched at once): the call takes
+        it up, or it is forgotten after wait_s."""
+        slot = self._slot(request_id)
+
+        def forget() -> None:
+            if (self.slots.get(request_id) is slot and not slot.reserved.done()
+                    and not slot.claimed):
+                del self.slots[request_id]
+
+        asyncio.get_running_loop().call_later(self.wait_s, forget)
+        return slot
+
     def _ring_early(self, slot: _Slot | None, message: dict) -> None:
         """The prefill launched the step that writes the prompt's last KV, behind which it
         recorded the interprocess event named here: a thread waits for that event (never this
@@ -335,17 +386,20 @@ class HandoffInbox:
             block_ids = [int(b) for b in message["block_ids"]]
             offer = dict(message["cuda_ipc"])
             handle = base64.b64decode(message["event"])
+            desc = (HandoffDescriptor.from_json(message["descriptor_json"])
+                    if "descriptor_json" in message else None)
         except (KeyError, TypeError, ValueError) as e:
             log.warning("request %s: an early ring without a usable event: %s",
                         slot.request_id, e)
             return
         aio = asyncio.get_running_loop()
-        early = slot.early = _Early(block_ids, offer, aio.create_future())
+        early = slot.early = _Early(block_ids, offer, aio.create_future(), desc)
         transport = self.receiver.transport("cuda_ipc")
 
         def wait() -> None:
             try:
                 transport.open_event(offer, handle).synchronize()
+                early.event_unix_s = time.time()
                 then = (self._queue_early, slot, early)
             except Exception as e:  # reported on the loop; the delivery pulls as usual
                 then = (_settle, early.queued, e)
@@ -386,12 +440,14 @@ class HandoffInbox:
             slot.early = None
             return None
         start = time.monotonic()
+        slot.marks["early copy checked"] = time.time()
         pool = self.loop.engine.kv_cache
         host, done = early.queued.result()
         slot.early = None
         try:
             check_geometry(desc, pool, blocks)
             done.synchronize()
+            slot.marks["early copy done"] = time.time()
             got = combine(host.tolist())
             if got != desc.checksum:
                 raise TransferError(f"handoff {desc.request_id}: checksum mismatch over "
@@ -438,8 +494,7 @@ class HandoffInbox:
                 # The prefill's step has ended (its checksum is here), so the early copy is
                 # about to be queued; waited for a little, then pulled as usual.
                 await asyncio.wait((slot.early.queued,), timeout=EARLY_WAIT_S)
-                reason = self._pull_here(slot, desc, blocks, after, deadline, span,
-                                         first_token_unix_s)
+                reason = self._pull_here(slot, desc, blocks, after, deadline, span)
             else:
                 reason = await asyncio.get_running_loop().run_in_executor(
                     self._executor, self._pull, desc, blocks, after, deadline, span)
@@ -473,8 +528,7 @@ class HandoffInbox:
         """A delivery pulled on the event loop's thread (_pull_here), then handed over."""
         slot.pulling = True
         try:
-            reason = self._pull_here(slot, desc, blocks, after, deadline, span,
-                                     first_token_unix_s)
+            reason = self._pull_here(slot, desc, blocks, after, deadline, span)
         finally:
             slot.pulling = False
             slot.blocks = []  # from here on this call hands them on or frees them
@@ -519,15 +573,14 @@ class HandoffInbox:
 
     def _pull_here(self, slot: _Slot, desc: HandoffDescriptor, blocks: list[int],
                    after: torch.cuda.Event | None, deadline: float | None,
-                   span: tracing.Span | _PullAttributes, first_token_unix_s: float) -> str:
+                   span: tracing.Span | _PullAttributes) -> str:
         """The pull on the event loop's thread, for a GPU pool on the source's host: the early
         copy's sums compared, else the copy and its checksum kernel (~0.5 ms: the hop to the
         pull thread and back cost more, waiting for the GIL); "" or why the KV is refused."""
         early = slot.early
-        if (early is not None and early.queued_unix_s and first_token_unix_s
-                and log.isEnabledFor(logging.DEBUG)):
-            log.debug("handoff %s: early copy queued %.2f ms after the first token",
-                      desc.request_id, 1e3 * (early.queued_unix_s - first_token_unix_s))
+        if early is not None and early.queued_unix_s:
+            slot.marks["early event seen"] = early.event_unix_s
+            slot.marks["early copy queued"] = early.queued_unix_s
         reason = self._take_early(slot, desc, blocks, deadline, span)
         return self._pull(desc, blocks, after, deadline, span) if reason is None else reason
 
@@ -545,10 +598,11 @@ class HandoffInbox:
             log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
             slot.delivered.set_result(Taken(None, first_token_id, 0.0, handoff_ms, reason))
             return False, reason
+        slot.marks["verified"] = time.time()
         taken = Taken(blocks, first_token_id, slot.reserve_ms, handoff_ms,
-                      first_token_unix_s=first_token_unix_s)
+                      first_token_unix_s=first_token_unix_s, marks=slot.marks)
         if slot.admit is not None:
-            taken.admitted_unix_s = time.time()
+            taken.admitted_unix_s = slot.marks["admitted"] = time.time()
             taken.admitted = slot.admit(taken)
         slot.delivered.set_result(taken)
         return True, ""
@@ -592,8 +646,6 @@ class HandoffInbox:
         span.set_attributes({"splitserve.transport": name, "splitserve.blocks": len(desc.block_ids),
                              "splitserve.bytes": nbytes, "splitserve.early": early,
                              "splitserve.gb_per_s": nbytes / 1e9 / max(done - start, 1e-9)})
-        log.debug("handoff %s via %s%s: pull+verify %.2f ms", desc.request_id, name,
-                  " (early copy)" if early else "", 1e3 * (done - start))
         return ""
 
     def close(self) -> None:

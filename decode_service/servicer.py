@@ -45,8 +45,10 @@ class _First:
     def __init__(self, joined: float):
         self.handoff_ms = self.reserve_ms = self.critical_ms = 0.0
         self.joined = joined  # decode_ms of the express copy counts from here
+        self.taken: Taken | None = None
 
     def fill(self, taken: Taken) -> None:
+        self.taken = taken
         self.handoff_ms, self.reserve_ms = taken.handoff_ms, taken.reserve_ms
         # The critical path ends when the request, its KV in place and verified, is in the
         # engine's command queue (it joins the next step): the inbox submitted it the moment
@@ -99,9 +101,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             taken = await self._take_over(request, prompt, params, sink, outputs, first)
             prefilled = (None if taken is None
                          else Prefilled(taken.block_ids, taken.first_token_id))
-            if taken is not None and first.critical_ms:
-                log.debug("handoff %s: critical path %.2f ms (first token -> queued here)", rid,
-                          first.critical_ms)
             if prefilled is not None:
                 reserved = start + taken.reserve_ms / 1e3
                 tracing.record("decode.reserve", span, start, reserved)
@@ -115,6 +114,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             joined = time.monotonic()
             started: set[int] = set()  # n > 1: the choices that sent a message
             async for out in stream:
+                if not started and first.critical_ms and log.isEnabledFor(logging.DEBUG):
+                    log.debug("handoff %s: critical path %.2f ms (first token -> queued here)%s",
+                              rid, first.critical_ms, _breakdown(first.taken))
                 self.metrics.observe_tokens(timer, len(out.new_token_ids), time.monotonic())
                 if out.finished:
                     self.metrics.observe_finished(timer, out.metrics, time.monotonic())
@@ -166,6 +168,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             nonlocal pending
             if pending and not isinstance(out, BaseException):
                 pending = False
+                if first.taken is not None:
+                    first.taken.marks["token 2 at the decode's sink"] = time.time()
                 try:
                     if self.lane.reply_decode(request.express_reply_to, rid, self._response(
                             out, request, first, True, first.joined)):
@@ -240,3 +244,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     context: grpc.aio.ServicerContext) -> decode_pb2.DecodeServiceStatsResponse:
         return decode_pb2.DecodeServiceStatsResponse(stats=await self.instance.stats(
             num_pending_handoffs=len(self.inbox.pending)))
+
+
+def _breakdown(taken: Taken | None) -> str:
+    """The moments of a handoff's way here (Taken.marks), in ms after the first token."""
+    if taken is None or not taken.marks:
+        return ""
+    return "; " + ", ".join(f"{name} {1e3 * (t - taken.first_token_unix_s):+.2f}"
+                            for name, t in sorted(taken.marks.items(), key=lambda m: m[1]) if t)

@@ -48,31 +48,47 @@ class Deliveries:
         self._channels: list[grpc.aio.Channel] = []
 
     def ring(self, desc: HandoffDescriptor, first_token_id: int, address: str,
-             first_token_unix_s: float) -> bool:
+             first_token_unix_s: float, output_unix_s: float = 0.0) -> bool:
         """Any thread: ring the doorbell of the decode service at address for this delivery
         (its deadline: the lease from now, so before the Deliver call's, which starts later).
-        False when no doorbell heard it."""
+        False when no doorbell heard it. output_unix_s: when the engine's output reached the
+        caller; it and the moment of sending go with the ring, for the decode side's debug
+        log of the critical path."""
+        now = time.time()
         rang = self.doorbell.ring(address, {
             "request_id": desc.request_id, "first_token_id": first_token_id,
-            "first_token_unix_s": first_token_unix_s,
-            "deadline_unix_s": time.time() + self.lease_s,
-            "descriptor_json": desc.to_json()})
+            "first_token_unix_s": first_token_unix_s, "output_unix_s": output_unix_s,
+            "deadline_unix_s": now + self.lease_s, "descriptor_json": desc.to_json(),
+            "sent_unix_s": time.time()})
         if first_token_unix_s and log.isEnabledFor(logging.DEBUG):
             log.debug("handoff %s: %s %.2f ms after the first token", desc.request_id,
                       "doorbell rung" if rang else "no doorbell",
                       1e3 * (time.time() - first_token_unix_s))
         return rang
 
-    def ring_early(self, request_id: str, block_ids: list[int], offer: dict, event: bytes,
-                   address: str) -> bool:
+    def ring_early(self, desc: HandoffDescriptor, event: bytes, address: str) -> bool:
         """Engine thread, when the step that writes the prompt's last KV is launched: the
-        decode service at address may start its copy of these blocks (its cuda_ipc `offer`) the
-        moment the interprocess `event` completes; ring() with the checksum follows as usual.
-        False when no doorbell heard it."""
+        decode service at address may start its copy of desc's blocks (its cuda_ipc offer) the
+        moment the interprocess `event` completes; desc lacks the checksum and the block
+        hashes, which ring_checksum() brings at the first token. False when no doorbell heard
+        it."""
         return self.doorbell.ring(address, {
-            "request_id": request_id, "early": True, "block_ids": block_ids,
-            "cuda_ipc": offer, "event": base64.b64encode(event).decode("ascii"),
+            "request_id": desc.request_id, "early": True, "block_ids": desc.block_ids,
+            "cuda_ipc": desc.transports["cuda_ipc"], "descriptor_json": desc.to_json(),
+            "event": base64.b64encode(event).decode("ascii"),
             "deadline_unix_s": time.time() + self.lease_s})
+
+    def ring_checksum(self, request_id: str, first_token_id: int, checksum: int,
+                      block_hashes: list[int], address: str, first_token_unix_s: float,
+                      output_unix_s: float) -> bool:
+        """Engine thread, at the first token of a prompt whose early ring went out: ring() but
+        without the descriptor, which the early ring carried (what it lacked comes here). A
+        decode service that did not keep it waits for the Deliver call, which carries it all."""
+        return self.doorbell.ring(address, {
+            "request_id": request_id, "first_token_id": first_token_id, "checksum": checksum,
+            "block_hashes": block_hashes, "first_token_unix_s": first_token_unix_s,
+            "output_unix_s": output_unix_s, "deadline_unix_s": time.time() + self.lease_s,
+            "sent_unix_s": time.time()})
 
     async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
                       metadata: tuple[tuple[str, str], ...] = (),

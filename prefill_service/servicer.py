@@ -167,15 +167,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         first_only = dataclasses.replace(params, max_tokens=len(carried) + 1, n=1)
         stream = AsyncOutputStream()
         rung: dict[str, tuple[HandoffDescriptor, bool]] = {}  # filled by the sink, see _ringing
-        sink = (self._ringing(rid, params, carried, len(prompt), request.decode_address, stream,
-                              rung) if self.source.shards is None else stream)
-        if reply_to and params.prompt_logprobs is None:
-            sink = self._replying(rid, params, carried, reply_to, sink)
-        if self.early_handoff and "cuda_ipc" in self.source.offers and self.source.shards is None:
-            offer, address = self.source.offers["cuda_ipc"], request.decode_address
-            self.instance.loop.engine.kv.watch(
-                rid, lambda blocks, event: self.deliveries.ring_early(rid, blocks, offer, event,
-                                                                      address))
+        early = (self.early_handoff and "cuda_ipc" in self.source.offers
+                 and self.source.shards is None)
+        early_rung: list[bool] = []  # the early ring went out (engine thread)
+        reply = (self._replying(rid, params, carried, reply_to)
+                 if reply_to and params.prompt_logprobs is None else None)
+        sink = (self._ringing(rid, params, carried, len(prompt), request.decode_address, reply,
+                              stream, rung, early_rung) if self.source.shards is None
+                else _chain(reply, stream))
+        if early:
+            address, num_tokens = request.decode_address, len(prompt) + len(carried)
+
+            def ring_early(blocks: list[int], event: bytes) -> None:
+                # Its descriptor lacks only the checksum and the block hashes, which the ring
+                # at the first token brings (_ringing).
+                desc = self.source.describe(rid, blocks, num_tokens, (), checksum=0)
+                if self.deliveries.ring_early(desc, event, address):
+                    early_rung.append(True)
+
+            self.instance.loop.engine.kv.watch(rid, ring_early)
         span = tracing.start("prefill", tracing.context_from(trace_metadata),
                              kind=tracing.SpanKind.SERVER,
                              attributes={"splitserve.request_id": rid,
@@ -242,10 +252,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             first_logprobs=logprobs_to_pb(final.logprobs[0]) if final.logprobs else None,
             prompt_logprobs=prompt_logprobs_to_pb(prompt_logprobs))
 
-    def _replying(self, rid: str, params: SamplingParams, carried: list[int], reply_to: bytes,
-                  sink):
-        """The engine's sink for an express start: the first token goes to the gateway from the
-        engine thread the moment it is sampled, then on to `sink`."""
+    def _replying(self, rid: str, params: SamplingParams, carried: list[int], reply_to: bytes):
+        """For an express start: the first token goes to the gateway from the engine thread the
+        moment it is sampled (a sink's first part, see _chain)."""
         def replying(out) -> None:
             if (not isinstance(out, BaseException) and out.finished
                     and len(out.output_token_ids) > len(carried)):
@@ -253,7 +262,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     self.lane.reply(reply_to, self._first_response(rid, out, params, carried))
                 except Exception:  # never into the engine loop: the call carries it anyway
                     log.exception("request %s: the express reply failed", rid)
-            sink(out)
 
         return replying
 
@@ -276,34 +284,55 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillServiceStatsResponse(stats=await self.instance.stats())
 
     def _ringing(self, rid: str, params: SamplingParams, carried: list[int], num_prompt_tokens: int,
-                 decode_address: str, stream: AsyncOutputStream,
-                 rung: dict[str, tuple[HandoffDescriptor, bool]]):
-        """The engine's sink for a prompt (at TP 1): its final output, when the KV will be
-        handed off, is described and the decode service's doorbell rung right there on the
-        engine thread (~0.1 ms), before the event loop even hears of the first token; `rung`
-        passes the descriptor on to _hand_off. The checksum came back with the step on a GPU;
-        on a CPU it is computed here (kernels/block_sums_cpu: one pass on this thread, 0.05 ms
-        for a 64-token SmolLM2 prompt, ~1-3 ms for 512), where the pool is written by this
-        thread alone. Anything failing here leaves the delivery to _hand_off."""
-        def sink(out) -> None:
-            try:
-                if (not isinstance(out, BaseException) and out.finished
-                        and out.held_block_ids is not None
-                        and len(out.output_token_ids) > len(carried)
-                        and not _ends(out, params, carried)):
+                 decode_address: str, reply, stream: AsyncOutputStream,
+                 rung: dict[str, tuple[HandoffDescriptor, bool]], early_rung: list[bool]):
+        """The engine's sink for a prompt (at TP 1): reply (the express reply, if any) gets
+        the first token first; then, when the KV will be handed off, it is described and the
+        decode service's doorbell rung right there on the engine thread, before the event loop
+        hears of the first token (`stream`, last); `rung` passes the descriptor on to
+        _hand_off. The checksum came back with the step on a GPU; on a CPU it is computed here
+        (kernels/block_sums_cpu: one pass on this thread, 0.05 ms for a 64-token SmolLM2
+        prompt, ~1-3 ms for 512), where the pool is written by this thread alone. When an
+        early ring went out (early_rung, a GPU), the decode service holds the descriptor
+        already: a short ring with the checksum goes even before the reply (tens of
+        microseconds; the decode side's copy waits only for it), and the descriptor for the
+        Deliver call is made after. Anything failing here leaves the delivery to _hand_off."""
+        def ringing(out) -> None:
+            reached = time.time()
+            handing_off = (not isinstance(out, BaseException) and out.finished
+                           and out.held_block_ids is not None
+                           and len(out.output_token_ids) > len(carried)
+                           and not _ends(out, params, carried))
+            kv = self.instance.loop.engine.kv
+            checksum = rang = None
+            if handing_off and early_rung:
+                try:
+                    checksum = kv.checksum_of(rid, out.held_block_ids)
+                    if checksum is not None:
+                        rang = self.deliveries.ring_checksum(
+                            rid, out.output_token_ids[len(carried)], checksum,
+                            out.block_hashes, decode_address, _first_unix(out), reached)
+                except Exception:  # never into the engine loop: rung the usual way below
+                    log.exception("request %s: the short ring failed", rid)
+            if reply is not None:
+                reply(out)
+            if handing_off:
+                try:
                     blocks = out.held_block_ids
-                    checksum = self.instance.loop.engine.kv.checksum_of(rid, blocks)
+                    if checksum is None:
+                        checksum = kv.checksum_of(rid, blocks)
                     desc = self.source.describe(rid, blocks, num_prompt_tokens + len(carried),
                                                 out.block_hashes, checksum)
-                    first_unix = time.time() - (time.monotonic() - out.metrics.first_token_time)
-                    rang = self.deliveries.ring(desc, out.output_token_ids[len(carried)],
-                                                decode_address, first_unix)
+                    if rang is None:
+                        rang = self.deliveries.ring(desc, out.output_token_ids[len(carried)],
+                                                    decode_address, _first_unix(out), reached)
                     rung[rid] = (desc, rang)
-            except Exception:  # never into the engine loop: _hand_off describes instead
-                log.exception("request %s: describing its KV on the engine thread failed", rid)
+                except Exception:  # never into the engine loop: _hand_off describes instead
+                    log.exception("request %s: describing its KV on the engine thread failed",
+                                  rid)
             stream(out)
 
-        return sink
+        return ringing
 
     async def _hand_off(self, rid: str, block_ids: list[int], num_tokens: int,
                         block_hashes: list[int], first_token: int, first_token_unix_s: float,
@@ -363,3 +392,20 @@ def _ends(final, params: SamplingParams, carried: list[int]) -> bool:
     if params.n > 1:
         return False
     return final.finish_reason == "stop" or params.max_tokens == len(carried) + 1
+
+
+def _first_unix(out) -> float:
+    """When (time.time()) the engine sampled an output's first token."""
+    return time.time() - (time.monotonic() - out.metrics.first_token_time)
+
+
+def _chain(first, then):
+    """A sink: first(out), if any, then then(out)."""
+    if first is None:
+        return then
+
+    def chained(out) -> None:
+        first(out)
+        then(out)
+
+    return chained

@@ -218,7 +218,7 @@ def test_a_doorbell_starts_the_pull_and_the_deliver_call_answers_with_its_outcom
 
 
 @pytest.mark.parametrize("case", ["before the reservation", "past its deadline", "malformed",
-                                  "after the call began"])
+                                  "after the call began", "short, no early descriptor"])
 def test_a_ring_the_inbox_cannot_act_on_is_left_to_the_deliver_call(setup, case):
     _, loop, inbox, source, _ = setup
     desc = describe(source, "late-ring", [1, 2])
@@ -233,6 +233,10 @@ def test_a_ring_the_inbox_cannot_act_on_is_left_to_the_deliver_call(setup, case)
             inbox.ring(ring_message(desc, deadline_in_s=0.01))
         elif case == "malformed":
             inbox.ring({"request_id": "late-ring", "descriptor_json": "{"})
+        elif case == "short, no early descriptor":  # the early ring never came (or was dropped)
+            inbox.ring({"request_id": "late-ring", "first_token_id": 5,
+                        "checksum": desc.checksum, "block_hashes": [],
+                        "deadline_unix_s": time.time() + 10})
         elif case == "after the call began":
             deliver = asyncio.create_task(inbox.deliver("late-ring", desc, 5, 10.0))
             await asyncio.sleep(0)  # the call has claimed the slot
@@ -244,6 +248,39 @@ def test_a_ring_the_inbox_cannot_act_on_is_left_to_the_deliver_call(setup, case)
     answer, taken = asyncio.run(scenario())
     assert answer == (True, "") and len(taken.block_ids) == 2
     assert inbox.transports_used == {"local": 1}
+    free(loop, taken.block_ids)
+
+
+def early_message(desc) -> dict:
+    return {"request_id": desc.request_id, "early": True, "block_ids": desc.block_ids,
+            "cuda_ipc": {"handle": "x"}, "event": "AAAA", "descriptor_json": desc.to_json(),
+            "deadline_unix_s": time.time() + 10}
+
+
+def test_an_early_ring_before_the_decode_call_waits_for_it_or_is_forgotten(setup):
+    """Both leave the gateway at once, and the early ring may win: its slot waits for the call,
+    which takes it up (on a CPU pool the early copy then declines, and the delivery pulls as
+    usual); a slot whose call never comes is forgotten after wait_s, reserving nothing."""
+    _, loop, inbox, source, _ = setup
+    desc = describe(source, "early-first", [4, 5])
+    lonely = describe(source, "early-alone", [6])
+
+    async def scenario():
+        inbox.ring(early_message(desc))
+        inbox.ring(early_message(lonely))
+        assert {"early-first", "early-alone"} <= set(inbox.slots) and not inbox.pending
+        take = asyncio.create_task(inbox.take("early-first", 2, PREFILL))
+        await asyncio.sleep(0.05)
+        assert inbox.slots["early-first"].early_ring is None  # taken up, then declined (CPU)
+        inbox.ring(ring_message(desc))
+        taken = await asyncio.wait_for(take, 5)
+        await asyncio.sleep(inbox.wait_s + 0.1)
+        return taken, await inbox.deliver("early-first", desc, 42, 10.0)
+
+    taken, answer = asyncio.run(scenario())
+    assert answer == (True, "") and taken.failure == "" and len(taken.block_ids) == 2
+    assert "early ring heard" in taken.marks and "verified" in taken.marks
+    assert not inbox.slots and used(loop) == 2
     free(loop, taken.block_ids)
 
 
