@@ -31,6 +31,7 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     engine = LLMEngine(engine_config)
     server = GrpcServer(config.server.host, config.port, tls=tls)
     instance = ServiceInstance("decode", config, engine, registry, config.address(server.port))
+    config.server.apply()
     tracing.configure("decode", config.server.otlp_endpoint, instance.instance_id)
     metrics = DecodeMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
     inbox = HandoffInbox(registry, instance.loop, config.pull_timeout_s, metrics,

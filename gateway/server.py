@@ -48,6 +48,7 @@ async def serve(config: GatewayConfig, tls: TlsConfig = PLAINTEXT,
                 auth: AuthConfig = NO_AUTH) -> None:
     registry = Registry(config.registry.url, config.registry.namespace)
     registry.ping()
+    config.server.apply()
     tracing.configure("gateway", config.server.otlp_endpoint)
     keys = auth.keys()
     frontend, eos_token_ids = await asyncio.to_thread(build_frontend, config)

@@ -46,6 +46,7 @@ async def serve(config: PrefillServiceConfig, engine_config: EngineConfig,
     engine = LLMEngine(engine_config, kv_cache_allocator=shm)
     server = GrpcServer(config.server.host, config.port, tls=tls)
     instance = ServiceInstance("prefill", config, engine, registry, config.address(server.port))
+    config.server.apply()
     tracing.configure("prefill", config.server.otlp_endpoint, instance.instance_id)
     source = KVSource(instance.instance_id, engine.kv_cache, engine.model_name,
                       address=instance.address, shm=shm, shards=RankShards.of(engine))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from common.flags import opt
@@ -22,12 +23,22 @@ class ServerConfig:
     shutdown_grace_s: float = opt(5.0, "on SIGTERM, how long in-flight requests may finish")
     otlp_endpoint: str = opt("", "OpenTelemetry: export traces over OTLP/gRPC to this host:port "
                              "(e.g. a collector at localhost:4317); empty = tracing off")
+    gil_switch_interval_ms: float = opt(
+        0.5, "how long a thread may hold the GIL while another waits for it (Python's "
+        "sys.setswitchinterval; its default is 5 ms): a service's engine thread that waited on "
+        "the device or a socket waits at most this long for the event loop's thread to let go")
 
     def __post_init__(self) -> None:
         if not _port_ok(self.metrics_port):
             raise ValueError(f"--metrics-port out of range: {self.metrics_port}")
         if self.shutdown_grace_s < 0:
             raise ValueError("--shutdown-grace-s must be >= 0")
+        if self.gil_switch_interval_ms <= 0:
+            raise ValueError("--gil-switch-interval-ms must be positive")
+
+    def apply(self) -> None:
+        """Process-wide settings, at the server's start."""
+        sys.setswitchinterval(self.gil_switch_interval_ms / 1000)
 
 
 @dataclass(frozen=True, slots=True)
