@@ -17,7 +17,9 @@
               output before _scaled_mm, beside the same ops in turn
 
 `--sweep [gemv|decode]` times launch configurations instead: the batch-1 GEMVs on fp8 weights
-(skinny o, norm + gate|up, act + down, fused qkv) and the decode kernel on an fp8 pool.
+(skinny o, norm + gate|up, act + down, fused qkv; the weights rotate over > L2) and the decode
+kernel on an fp8 pool. `--engine` then profiles the engine's batch-1 step (fp8 weights and KV)
+with the default GEMV configs and with the sweep's best per projection.
 
 Times are CUDA-graph replays of back-to-back calls (bench/gpu_kernels.py's helpers; decode
 rotates its block tables over several times the L2).
@@ -27,6 +29,7 @@ Usage: PYTHONPATH=. python3 bench/gpu_fp8.py --out fp8.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -183,55 +186,164 @@ def decode(copy_tb_s: float) -> list[dict]:
     return rows
 
 
-GEMV_CONFIGS = [SkinnyConfig(1, bn, bk, 1, w, st) for bn, bk, w, st in itertools.product(
-    (8, 16, 32), (512, 1024), (4, 8), (3, 4))]
+# Batch-1 launch configurations on fp8 weights (block_n, block_k, warps, stages, vec, mma_rows):
+# the tile accumulator (vec 1), in-thread partial sums (vec 16) and the tensor cores on fp16
+# hi / lo rows of x (mma_rows), skinny_gemm's module docstring.
+GEMV_CONFIGS = [SkinnyConfig(1, bn, bk, 1, w, st, vec, mma) for bn, bk, w, st, vec, mma in (
+    (16, 512, 4, 4, 1, 0), (16, 1024, 4, 4, 1, 0),
+    (64, 256, 4, 3, 16, 0), (32, 512, 4, 3, 16, 0), (16, 2048, 4, 3, 16, 0),
+    (16, 1024, 2, 3, 16, 0), (32, 1024, 4, 3, 16, 0),
+    (128, 128, 4, 3, 1, 16), (64, 256, 4, 3, 1, 16), (32, 256, 4, 3, 1, 16),
+    (32, 512, 4, 3, 1, 16), (64, 128, 4, 4, 1, 16), (16, 512, 4, 3, 1, 16),
+    (128, 128, 4, 3, 1, 64))]
+# fused qkv: a program's pairs are block_n / 2, at most head_dim / 2 (64), and at least 16 on
+# the tensor cores.
+QKV_CONFIGS = [SkinnyConfig(1, bn, bk, 1, w, st, vec, mma) for bn, bk, w, st, vec, mma in (
+    (16, 512, 4, 3, 1, 0), (32, 512, 4, 3, 16, 0), (64, 256, 4, 3, 16, 0),
+    (16, 2048, 4, 3, 16, 0), (32, 256, 4, 3, 1, 16), (64, 128, 4, 3, 1, 16),
+    (64, 256, 4, 3, 1, 16), (128, 128, 4, 3, 1, 16), (32, 512, 4, 3, 1, 16))]
+L2_DEFEAT_BYTES = 256 << 20   # weight copies a sweep rotates over (the H200's L2: 60 MB)
 
 
 def gemv_sweep(copy_tb_s: float) -> list[dict]:
-    """Each batch-1 kernel on fp8 weights of the 8B shapes, over GEMV_CONFIGS (and the
-    default, None): the time and the weight stream's fraction of the copy bandwidth."""
+    """Each batch-1 kernel on fp8 weights of the 8B shapes, over GEMV_CONFIGS / QKV_CONFIGS
+    (and the default, None): the time and the weight stream's fraction of the copy bandwidth.
+    The calls of a timed graph rotate over copies of the weight (>= 256 MB in all), so the
+    weight comes from DRAM as in the engine (a 17-59 MB weight read again stays in L2)."""
     dev = torch.device("cuda")
     rows = []
     for name, (n, k) in (("o", PROJECTIONS["o"]), ("gate_up", PROJECTIONS["gate_up"]),
                          ("down", PROJECTIONS["down"]), ("qkv", PROJECTIONS["qkv"])):
         w8 = quantize_weight((torch.randn(n, k, device=dev) * k ** -0.5).to(BF16))
-        q, s = w8.qweight, w8.scale
+        copies = [w8.qweight] + [w8.qweight.clone()
+                                 for _ in range(max(0, -(-L2_DEFEAT_BYTES // (n * k)) - 1))]
+        s = w8.scale
+        ref_w = torch_ops.dequantize_rows(w8.qweight, s, BF16)
         h, res = (torch.randn(1, k, device=dev, dtype=BF16) for _ in range(2))
-        g = torch.ones(k, device=dev, dtype=BF16)
+        g = (1 + 0.1 * torch.randn(k, device=dev)).to(BF16)
         gate_up = torch.randn(1, 2 * k, device=dev, dtype=BF16)
-        kc, vc = (torch.zeros(64, 16, 8, 128, device=dev, dtype=BF16) for _ in range(2))
+        kc, vc = (torch.zeros(64, 16, 8, 128, device=dev, dtype=FP8) for _ in range(2))
         pos, slot = torch.tensor([100], device=dev), torch.tensor([5], device=dev)
         cos_sin = torch.randn(4096, 128, device=dev)
+        turn = [0]
 
-        def call(cfg, name=name, q=q, s=s, h=h, res=res, g=g, gate_up=gate_up, kc=kc, vc=vc,
-                 pos=pos, slot=slot, cos_sin=cos_sin):
+        def call(cfg, q=None, s=s, name=name, h=h, res=res, g=g, gate_up=gate_up, kc=kc, vc=vc,
+                 pos=pos, slot=slot, cos_sin=cos_sin, copies=copies, turn=turn):
+            if q is None:   # the next copy of the fp8 weight
+                q = copies[turn[0] % len(copies)]
+                turn[0] += 1
             if name == "o":
                 return skinny_gemm.skinny_linear(h, q, None, weight_scale=s, config=cfg)
             if name == "gate_up":
                 return fused_gemv.norm_linear(h, res, g, 1e-5, q, None, weight_scale=s,
-                                              config=cfg)
+                                              config=cfg)[0]
             if name == "down":
                 return fused_gemv.act_linear(gate_up, q, None, weight_scale=s, config=cfg)
             return fused_qkv.norm_qkv_rotary_store(h, res, g, 1e-5, q, None, pos, cos_sin, kc,
-                                                   vc, slot, 32, config=cfg, weight_scale=s)
+                                                   vc, slot, 32, config=cfg, weight_scale=s)[0]
 
+        want = call(None, ref_w, None).float()   # the bf16 kernel on the dequantized weight
         timed = []
-        for cfg in [None, *GEMV_CONFIGS]:
+        for cfg in [None, *(QKV_CONFIGS if name == "qkv" else GEMV_CONFIGS)]:
             try:
+                err = ((call(cfg, w8.qweight).float() - want).norm() / want.norm()).item()
                 us = graphed_ms(lambda cfg=cfg: call(cfg)) * 1e3
-            except Exception as e:  # a config the kernel refuses (or runs out of registers)
-                print(f"{name} {cfg}: {type(e).__name__}")
+            except Exception as e:  # a config the kernel refuses (or runs out of resources)
+                print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            timed.append({"proj": name, "config": None if cfg is None else cfg._asdict(),
-                          "us": us, "frac_copy": (n * k + 4 * n) / (us * 1e-6)
-                          / (copy_tb_s * 1e12)})
-        best = min(timed, key=lambda r: r["us"])
+            timed.append({"proj": name, "n": n, "k": k,
+                          "config": None if cfg is None else cfg._asdict(), "us": us,
+                          "frac_copy": (n * k + 4 * n) / (us * 1e-6) / (copy_tb_s * 1e12),
+                          "rel_err_vs_bf16_kernel": err})
+            c = cfg and (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.vec,
+                         cfg.mma_rows)
+            print(f"  gemv fp8 {name:>8} {str(c):28s} {us:7.2f} us "
+                  f"({timed[-1]['frac_copy']:.2f} of copy) err {err:.1e}", flush=True)
+        ok = [r for r in timed if r["rel_err_vs_bf16_kernel"] < 1e-2]
+        best = min(ok, key=lambda r: r["us"])
         default = next(r for r in timed if r["config"] is None)
         print(f"gemv fp8 {name:>8}: default {default['us']:.1f} us "
               f"({default['frac_copy']:.2f}); best {best['us']:.1f} us "
               f"({best['frac_copy']:.2f}) {best['config']}", flush=True)
         rows += timed
+        del copies
+        torch.cuda.empty_cache()
     return rows
+
+
+def best_gemv_configs(rows: list[dict]) -> dict[tuple[int, int], SkinnyConfig]:
+    """(n, k) -> the sweep's fastest config (within 1e-2 of the bf16 kernel's output)."""
+    best: dict[tuple[int, int], dict] = {}
+    for r in rows:
+        if r["config"] is None or r["rel_err_vs_bf16_kernel"] >= 1e-2:
+            continue
+        key = (r["n"], r["k"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return {key: SkinnyConfig(**r["config"]) for key, r in best.items()}
+
+
+@contextlib.contextmanager
+def gemv_configs(configs: dict[tuple[int, int], SkinnyConfig] | None):
+    """While open, the batch-1 fp8 GEMVs of a weight [n, k] in `configs` launch with its config
+    (skinny_gemm.default_config and fused_qkv.qkv_config answer it) instead of the default."""
+    orig_default, orig_qkv = skinny_gemm.default_config, fused_qkv.qkv_config
+    configs = configs or {}
+
+    def patched_default(n, k, m, num_sms=skinny_gemm.H200_SMS, *, fp8=False):
+        if fp8 and m == 1 and (n, k) in configs:
+            return configs[(n, k)]
+        return orig_default(n, k, m, num_sms, fp8=fp8)
+
+    def patched_qkv(n, k, num_sms, fp8=False):
+        return configs[(n, k)] if fp8 and (n, k) in configs else orig_qkv(n, k, num_sms, fp8)
+
+    skinny_gemm.default_config = fused_gemv.default_config = patched_default
+    fused_qkv.qkv_config = patched_qkv
+    try:
+        yield
+    finally:
+        skinny_gemm.default_config = fused_gemv.default_config = orig_default
+        fused_qkv.qkv_config = orig_qkv
+
+
+def load_gemv_configs(path: Path) -> dict[tuple[int, int], SkinnyConfig]:
+    """The configs a `--sweep gemv --engine` run chose (its JSON's engine_batch1_configs)."""
+    table = json.loads(path.read_text()).get("engine_batch1_configs", {})
+    return {tuple(int(v) for v in key.split("x")): SkinnyConfig(**cfg)
+            for key, cfg in table.items()}
+
+
+def engine_batch1(configs: dict[tuple[int, int], SkinnyConfig] | None) -> list[dict]:
+    """One batch-1 decode step of the llama-3-8b engine with fp8 weights and an fp8 KV cache
+    (bench/gpu_profile.py's profile_batch: graph replay and its kernels by kind), with the
+    default GEMV configs and, when given, with `configs` put in their place (the engine's
+    graphs are captured with whichever default_config / qkv_config answers)."""
+    from gpu_profile import profile_batch
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.flags import build
+
+    results = []
+    for variant in ["default"] + (["swept"] if configs else []):
+        with gemv_configs(configs if variant == "swept" else None):
+            engine = LLMEngine(build(EngineConfig, model="dummy:llama-3-8b", dtype="bfloat16",
+                                     device="cuda", num_kv_blocks=4000, max_num_seqs=1,
+                                     max_num_batched_tokens=2048, max_model_len=2048,
+                                     quantization="fp8", kv_cache_dtype="fp8"))
+            r = profile_batch(engine, 1, 576, 20)
+        r["variant"] = variant
+        results.append(r)
+        print(f"engine batch 1 [{variant}]: replay {r['replay_us']:.0f} us, kernels "
+              f"{r['kernel_us_sum']:.0f} us in {r['kernels_per_step']:.0f} launches", flush=True)
+        for kind, us in sorted(r["kernel_us_by_kind"].items(), key=lambda kv: -kv[1]):
+            print(f"    {kind:14s} {us:8.1f} us")
+        for kname, us in list(r["top_kernels_us"].items())[:10]:
+            print(f"    {us:8.1f} us  {kname}")
+        del engine
+        torch.cuda.empty_cache()
+    return results
 
 
 def decode_sweep(copy_tb_s: float) -> list[dict]:
@@ -268,6 +380,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--sweep", nargs="?", const="gemv,decode", default="",
                     help="time launch configurations instead (gemv, decode or both)")
+    ap.add_argument("--engine", action="store_true",
+                    help="then profile the engine's batch-1 fp8 step with the default GEMV "
+                         "configs and with the gemv sweep's best (bench/gpu_profile.py)")
     args = ap.parse_args()
     t0 = time.monotonic()
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -287,6 +402,17 @@ def main() -> None:
             traceback.print_exc()
             result[name] = {"error": f"{type(e).__name__}: {e}"}
         args.out.write_text(json.dumps(result, indent=1))
+    if args.engine:
+        swept = result.get("gemv_sweep")
+        configs = best_gemv_configs(swept) if isinstance(swept, list) else None
+        result["engine_batch1_configs"] = {f"{n}x{k}": c._asdict()
+                                           for (n, k), c in (configs or {}).items()}
+        try:
+            result["engine_batch1"] = engine_batch1(configs)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            result["engine_batch1"] = {"error": f"{type(e).__name__}: {e}"}
     result["seconds"] = time.monotonic() - t0
     args.out.write_text(json.dumps(result, indent=1))
     print(f"done in {result['seconds']:.0f} s")

@@ -5,14 +5,19 @@
 # Parts (default: all, in this order; each under its own time limit, so one that hangs or fails
 # leaves the others their numbers):
 #   tests     the GPU tests of the fp8 kernels and of the kernels that grew an fp8 path
+#   gtests    those of the GEMV kernels alone (fp8 kernels, skinny GEMM, fused GEMVs, fused qkv)
 #   kernels   bench/gpu_fp8.py: ceilings, projections bf16 vs fp8 at M = 1/256/8192, decode
 #             attention on an fp8 pool vs bf16
 #   dsweep    bench/gpu_fp8.py --sweep decode: the fp8-pool decode kernel's launch parameters
+#   gemv      bench/gpu_fp8.py --sweep gemv --engine: the batch-1 fp8 GEMVs' launch parameters
+#             and reductions (weights rotating over > L2), then the engine's batch-1 fp8 step
+#             profiled with the default configs and with the sweep's best
 #   check     bench/gpu_model_check.py with --quantization fp8 (llama-3.2-1b shape): logits vs
 #             HF float32 on the same weights, next to what W8A8 quantization alone predicts
 #   checkkv   the same with --kv-cache-dtype fp8 as well (reported, not judged)
 #   perf8     bench/gpu_perf.py (llama-3-8b, random weights) T3, T4, T1 with fp8 weights
 #   perf8kv   the same with fp8 weights and an fp8 KV cache
+#   perf8kvs  perf8kv with the batch-1 GEMV configs the gemv part chose (run gemv before)
 #   perf16    the same in bf16: the table beside them
 # Logs and JSON go to $OUT/fp8 (./out when OUT is unset), packed at the end into $OUT/fp8.tgz
 # (the device tool returns at most 8 files); a summary of each part closes the output.
@@ -39,6 +44,12 @@ for part in $PARTS; do
             tests/kernels/test_fused_gemv.py tests/kernels/test_fused_qkv.py \
             tests/kernels/test_kv_store.py tests/kernels/test_norm_act.py \
             tests/kernels/test_decode_attention.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
+    gtests) timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+            tests/kernels/test_fp8_kernels.py tests/kernels/test_skinny_gemm.py \
+            tests/kernels/test_fused_gemv.py tests/kernels/test_fused_qkv.py 2>&1 \
+            | tee "$OUT/fp8_tests.log" ;;
+    gemv) timeout 240 python3 bench/gpu_fp8.py --sweep gemv --engine \
+            --out "$OUT/fp8_gemv.json" 2>&1 | tee "$OUT/fp8_gemv.log" ;;
     kernels) timeout 150 python3 bench/gpu_fp8.py --out "$OUT/fp8_kernels.json" 2>&1 \
             | tee "$OUT/fp8_kernels.log" ;;
     dsweep) timeout 150 python3 bench/gpu_fp8.py --sweep decode --out "$OUT/fp8_dsweep.json" \
@@ -48,9 +59,10 @@ for part in $PARTS; do
     checkkv) timeout 120 python3 bench/gpu_model_check.py --quantization fp8 \
             --kv-cache-dtype fp8 --out "$OUT/fp8kv_model_check.json" 2>&1 | grep -v Warning \
             | tee "$OUT/fp8kv_check.log" ;;
-    perf8|perf8kv|perf16)
+    perf8|perf8kv|perf8kvs|perf16)
         flags=(); [ "$part" != perf16 ] && flags+=(--quantization fp8)
-        [ "$part" = perf8kv ] && flags+=(--kv-cache-dtype fp8)
+        [ "${part#perf8kv}" != "$part" ] && flags+=(--kv-cache-dtype fp8)
+        [ "$part" = perf8kvs ] && flags+=(--gemv-configs "$OUT/fp8_gemv.json")
         timeout 170 python3 bench/gpu_perf.py --skip-hf --sections T3,T4,T1 --budget 160 \
             "${flags[@]}" --out "$OUT/perf_$part.json" 2>&1 | tee "$OUT/perf_$part.log" ;;
     *) echo "unknown part $part"; false ;;
@@ -61,6 +73,7 @@ echo "== summary"
 tail -n 3 "$OUT/fp8_tests.log" 2>/dev/null
 grep -E "^copy|x[0-9.]+ *$|x[0-9.]+  |decode B=" "$OUT/fp8_kernels.log" 2>/dev/null
 grep -E "^decode fp8" "$OUT/fp8_dsweep.log" 2>/dev/null
+grep -E "^gemv fp8|^engine batch|^    " "$OUT/fp8_gemv.log" 2>/dev/null
 for f in "$OUT"/fp8*_check.log; do [ -f "$f" ] && sed -n '/^model check/,$p' "$f"; done
 for f in "$OUT"/perf_*.log; do [ -f "$f" ] && echo "-- $f" && sed -n '/^ours:/,$p' "$f"; done
 tar czf "$TOP/fp8.tgz" -C "$TOP" fp8 && rm -rf "$OUT"

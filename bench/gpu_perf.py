@@ -29,6 +29,7 @@ their bytes: 1 a weight, 1 a K/V element); `--sections T3,T4,T1` runs only those
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -366,11 +367,24 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: the engine's KV pool")
     ap.add_argument("--sections", default="T3,T4,T1,T2,T6,T7",
                     help="our sections to run, comma-separated")
+    ap.add_argument("--gemv-configs", type=Path, default=None,
+                    help="a `bench/gpu_fp8.py --sweep gemv --engine` JSON: the batch-1 fp8 "
+                         "GEMVs launch with the configs it chose")
     args = ap.parse_args()
     run = Run(args.out, args.budget)
     device = torch.device(args.device)
     ceil = run.section("ceilings", 10, ceilings, device)
-    workloads = run_ours(run, args, ceil)
+    configs = None
+    if args.gemv_configs is not None and not args.gemv_configs.exists():
+        print(f"{args.gemv_configs} missing: the default GEMV configs", flush=True)
+        run.results["gemv_configs"] = "missing: defaults"
+    elif args.gemv_configs is not None:
+        from gpu_fp8 import gemv_configs, load_gemv_configs
+        configs = load_gemv_configs(args.gemv_configs)
+        run.results["gemv_configs"] = {f"{n}x{k}": c._asdict() for (n, k), c in configs.items()}
+        print(f"batch-1 fp8 GEMV configs from {args.gemv_configs}: {configs}", flush=True)
+    with contextlib.nullcontext() if configs is None else gemv_configs(configs):
+        workloads = run_ours(run, args, ceil)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -37,7 +37,15 @@ import triton.language as tl
 
 from kernels import skinny_gemm
 from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor
-from kernels.skinny_gemm import SkinnyConfig, default_config, processor_count
+from kernels.skinny_gemm import (
+    SkinnyConfig,
+    check_gemv_reduction,
+    default_config,
+    gemv_acc,
+    gemv_acc_init,
+    gemv_sum,
+    processor_count,
+)
 
 PROLOGUE_NORM = 1   # x = rms_norm(h + residual) * g
 PROLOGUE_ACT = 2    # x = silu(gate) * up
@@ -78,13 +86,14 @@ def _fused_gemv_kernel(
     N, K, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    VEC: tl.constexpr, MMA_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn   # [BLOCK_N, 1]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = gemv_acc_init(BLOCK_N, BLOCK_K, VEC, MMA_ROWS)
     sq = tl.zeros([BLOCK_K], tl.float32)
     res_end = tl.where(pid == 0, K, 0)   # program 0 writes the new residual, the rest do not
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -95,8 +104,8 @@ def _fused_gemv_kernel(
             sq += x_sq
         w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & (cols < K)[None, :],
                     other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    res = tl.sum(acc, 1)
+        acc = gemv_acc(acc, w, x, VEC, MMA_ROWS)
+    res = gemv_sum(acc, MMA_ROWS)
     if PROLOGUE == 1:
         res = res * tl.rsqrt(tl.sum(sq, 0) / K + eps)
     if HAS_SCALE:
@@ -125,6 +134,7 @@ def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,
                                 fp8=weight_scale is not None)
     if cfg.block_m != 1 or cfg.split_k != 1:
         raise ValueError(f"{cfg}: the fused GEMV takes block_m 1 and split_k 1")
+    check_gemv_reduction(cfg, weight_scale is not None)
     _fused_gemv_kernel[(cdiv(n, cfg.block_n),)](
         h, residual if residual is not None else h, g if g is not None else h, weight,
         bias if bias is not None else weight,
@@ -133,7 +143,7 @@ def _launch(prologue: int, h: torch.Tensor, residual: torch.Tensor | None,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        VEC=cfg.vec, MMA_ROWS=cfg.mma_rows, num_warps=cfg.num_warps,
     )
     return out
 

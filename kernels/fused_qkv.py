@@ -31,7 +31,15 @@ from kernels import skinny_gemm
 from kernels.checks import FLOAT_DTYPES, check_tensor
 from kernels.fused_gemv import input_tile
 from kernels.kv_store import KV_DTYPES, cache_value
-from kernels.skinny_gemm import SkinnyConfig, default_config, processor_count
+from kernels.skinny_gemm import (
+    SkinnyConfig,
+    check_gemv_reduction,
+    default_config,
+    gemv_acc,
+    gemv_acc_init,
+    gemv_sum,
+    processor_count,
+)
 
 
 @triton.jit
@@ -51,6 +59,7 @@ def _norm_qkv_rotary_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    VEC: tl.constexpr, MMA_ROWS: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
@@ -60,8 +69,8 @@ def _norm_qkv_rotary_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_lo = w_ptr + row_lo[:, None] * stride_wn
     w_hi = w_ptr + (row_lo + HALF)[:, None] * stride_wn
-    acc_lo = tl.zeros([PAIRS, BLOCK_K], tl.float32)
-    acc_hi = tl.zeros([PAIRS, BLOCK_K], tl.float32)
+    acc_lo = gemv_acc_init(PAIRS, BLOCK_K, VEC, MMA_ROWS)
+    acc_hi = gemv_acc_init(PAIRS, BLOCK_K, VEC, MMA_ROWS)
     sq = tl.zeros([BLOCK_K], tl.float32)
     res_end = tl.where(pid == 0, K, 0)   # program 0 writes the new residual, the rest do not
     # The epilogue's loads first: their latency (position -> cos/sin, slot) then hides behind
@@ -76,11 +85,13 @@ def _norm_qkv_rotary_kernel(
                              HAS_RESIDUAL)
         sq += x_sq
         k_mask = (cols < K)[None, :]
-        acc_lo += tl.load(w_lo + cols[None, :], mask=k_mask, other=0.0).to(tl.float32) * x[None, :]
-        acc_hi += tl.load(w_hi + cols[None, :], mask=k_mask, other=0.0).to(tl.float32) * x[None, :]
+        acc_lo = gemv_acc(acc_lo, tl.load(w_lo + cols[None, :], mask=k_mask, other=0.0), x,
+                          VEC, MMA_ROWS)
+        acc_hi = gemv_acc(acc_hi, tl.load(w_hi + cols[None, :], mask=k_mask, other=0.0), x,
+                          VEC, MMA_ROWS)
     rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    lo = tl.sum(acc_lo, 1) * rstd
-    hi = tl.sum(acc_hi, 1) * rstd
+    lo = gemv_sum(acc_lo, MMA_ROWS) * rstd
+    hi = gemv_sum(acc_hi, MMA_ROWS) * rstd
     if HAS_SCALE:
         lo *= tl.load(scale_ptr + row_lo)
         hi *= tl.load(scale_ptr + row_lo + HALF)
@@ -185,6 +196,7 @@ def norm_qkv_rotary_store(
     pairs, cfg = _pairs(n, k, d, dev, config, weight_scale is not None)
     if d % 2 or (d // 2) % pairs:
         raise ValueError(f"head_dim {d}: half of it must be a multiple of {pairs}")
+    check_gemv_reduction(cfg._replace(block_n=pairs), weight_scale is not None)
     res_out = None
     if residual is not None:
         check_tensor("residual", residual, shape=(1, k), dtypes=(h.dtype,), device=dev)
@@ -201,6 +213,7 @@ def norm_qkv_rotary_store(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEADS=num_heads, KV_HEADS=kvh, HEAD_DIM=d, BLOCK_SIZE=block_size,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        HAS_SCALE=weight_scale is not None, PAIRS=pairs, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        HAS_SCALE=weight_scale is not None, PAIRS=pairs, BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages, VEC=cfg.vec, MMA_ROWS=cfg.mma_rows, num_warps=cfg.num_warps,
     )
     return q, (res_out if res_out is not None else h)

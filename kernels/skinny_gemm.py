@@ -23,6 +23,21 @@ on CUDA). An FP8 (e4m3fn) weight with one float32 scale per row (`weight_scale`,
 --quantization fp8 layout) streams half the bytes: each tile is widened to float32 (to x's dtype
 for tl.dot) and the row's sum multiplied by its scale before the bias (kernels.torch_ops.linear
 of the dequantized weight, up to the order of the float32 products). The grid depends on shapes only, so calls can be captured in a CUDA graph.
+
+At M == 1 an fp8 weight's bytes come twice as fast as a 16-bit one's for the same work a
+weight element (widen, multiply, add), so the instructions, not the bytes, set the pace (sm_90
+SASS of the fused norm GEMV, triton 3.6: 5.1 instructions a weight element in the loop, ~2.5 of
+them the widening and the FMA, the rest the input's prologue shared by only 4 rows a thread).
+Two cheaper ways to sum a tile, chosen by the config (gemv_acc below):
+
+    vec > 1:    each thread sums its `vec` contiguous products of a row before the accumulator
+                (an FMA chain), so the accumulator is [BLOCK_N, BLOCK_K / vec] and a program can
+                hold more rows, over which the input's cost is shared (3.5-4 a weight element).
+    mma_rows:   the tensor cores (tl.dot) with the weight widened to fp16 (exact: e4m3 is a
+                subset of fp16) and x split into two fp16 rows, hi = fp16(x / 2^16) and
+                lo = fp16(x - hi * 2^16), so that hi * 2^16 + lo holds x to ~22 bits and any
+                |x| below 4e9 (fp16 alone would overflow at 65504); out = 2^16 * (w . hi) +
+                (w . lo), every product exact, summed in float32 (2.1-2.8 a weight element).
 """
 
 from __future__ import annotations
@@ -55,6 +70,11 @@ class SkinnyConfig(NamedTuple):
     split_k: int = 1      # programs along K; > 1 adds a float32 workspace and a second launch
     num_warps: int = 4
     num_stages: int = 4   # loop pipelining depth (tiles in flight per program: num_stages - 1)
+    # M == 1 only (gemv_acc): products a thread sums along K before the accumulator (1: the
+    # [BLOCK_N, BLOCK_K] tile accumulator), or with mma_rows (16 or 64: the A operand's rows)
+    # the tensor cores on an fp8 weight, x split into fp16 hi / lo rows.
+    vec: int = 1
+    mma_rows: int = 0
 
 
 def default_config(n: int, k: int, m: int, num_sms: int = H200_SMS, *,
@@ -67,8 +87,13 @@ def default_config(n: int, k: int, m: int, num_sms: int = H200_SMS, *,
     split-K in powers of two (up to 8, each split at least four tiles) until there are enough
     programs. An fp8 weight at M == 1 with K >= 8192 takes 1024-wide tiles (H200 sweep,
     bench/gpu_fp8.py --sweep, 2026-12-02: llama-3-8b down 18.0 us against 21.8 with 512; at
-    K = 4096, o and gate|up, 512 stayed best)."""
+    K = 4096, o and gate|up, 512 stayed best). An fp8 weight of K < 8192 with rows for three
+    programs of 64 a multiprocessor takes 64 rows of 256-wide tiles summed 16 products at a
+    time (vec; H200, weights from DRAM, 2026-12-03: llama-3-8b norm + gate|up 32.4 us, 0.85 of
+    copy, against 35.9 and 0.77; the engine's batch-1 fp8 step 87 us shorter)."""
     want = 3 * num_sms // 2
+    if m == 1 and fp8 and k < 8192 and cdiv(n, 64) >= 3 * num_sms:
+        return SkinnyConfig(1, 64, min(256, _pow2_at_least(k, 16)), num_stages=3, vec=16)
     if m == 1:
         block_n = 16
         while block_n > 4 and cdiv(n, block_n) < want:
@@ -93,6 +118,47 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+# (One return each: triton 3.6 traces every return of a jit function, constexpr branches too.)
+@triton.jit
+def gemv_acc_init(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                  MMA_ROWS: tl.constexpr):
+    """The M == 1 accumulator: [MMA_ROWS, BLOCK_N] (tensor cores) or [BLOCK_N, BLOCK_K / VEC]."""
+    if MMA_ROWS > 0:
+        acc = tl.zeros([MMA_ROWS, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
+    return acc
+
+
+@triton.jit
+def gemv_acc(acc, w, x, VEC: tl.constexpr, MMA_ROWS: tl.constexpr):
+    """acc plus the products of the weight tile w [BLOCK_N, BLOCK_K] (any float dtype; fp8 with
+    MMA_ROWS) with x [BLOCK_K] (float32), in the accumulator's form (module docstring)."""
+    if MMA_ROWS > 0:
+        hi = (x * (1.0 / 65536.0)).to(tl.float16)
+        lo = (x - hi.to(tl.float32) * 65536.0).to(tl.float16)
+        row = tl.arange(0, MMA_ROWS)[:, None]
+        xa = tl.where(row == 0, hi[None, :], tl.where(row == 1, lo[None, :], 0.0))
+        out = tl.dot(xa.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+    elif VEC == 1:
+        out = acc + w.to(tl.float32) * x[None, :]
+    else:
+        p = w.to(tl.float32) * x[None, :]
+        out = acc + tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // VEC, VEC]), 2)
+    return out
+
+
+@triton.jit
+def gemv_sum(acc, MMA_ROWS: tl.constexpr):
+    """The accumulator's row sums [BLOCK_N] in float32: 2^16 * hi's + lo's with MMA_ROWS."""
+    if MMA_ROWS > 0:
+        row = tl.arange(0, MMA_ROWS)[:, None]
+        out = tl.sum(tl.where(row == 0, acc * 65536.0, tl.where(row == 1, acc, 0.0)), 0)
+    else:
+        out = tl.sum(acc, 1)
+    return out
+
+
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr,                 # [M, K]
@@ -107,6 +173,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VEC: tl.constexpr, MMA_ROWS: tl.constexpr,
 ):
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -119,7 +186,7 @@ def _skinny_gemm_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm   # [BLOCK_M, 1]
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn   # [BLOCK_N, 1]
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc = gemv_acc_init(BLOCK_N, BLOCK_K, VEC, MMA_ROWS)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -133,11 +200,13 @@ def _skinny_gemm_kernel(
                         other=0.0)
             w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
-        if BLOCK_M == 1:
+        if BLOCK_M == 1 and VEC == 1 and MMA_ROWS == 0:
             acc += w.to(tl.float32) * x.to(tl.float32)   # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+        elif BLOCK_M == 1:
+            acc = gemv_acc(acc, w, tl.reshape(x, [BLOCK_K]).to(tl.float32), VEC, MMA_ROWS)
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    res = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else acc   # [BLOCK_M, BLOCK_N]
+    res = gemv_sum(acc, MMA_ROWS)[None, :] if BLOCK_M == 1 else acc   # [BLOCK_M, BLOCK_N]
     if HAS_SCALE:
         res = res * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -213,7 +282,7 @@ def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
     if m > MAX_M:
         raise ValueError(f"x: {m} rows, more than the {MAX_M} this kernel serves (use F.linear)")
     cfg = config or default_config(n, k, m, processor_count(dev), fp8=weight_scale is not None)
-    _check_config(cfg, m)
+    _check_config(cfg, m, fp8=weight_scale is not None)
     out = torch.empty(m, n, dtype=x.dtype, device=dev)
     if m == 0 or n == 0:
         return out
@@ -228,7 +297,7 @@ def skinny_linear(x: torch.Tensor,                   # [M, K], M <= MAX_M
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, NUM_STAGES=cfg.num_stages,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps,
+        VEC=cfg.vec, MMA_ROWS=cfg.mma_rows, num_warps=cfg.num_warps,
     )
     if cfg.split_k > 1:
         _sum_splits_kernel[(cdiv(m * n, _SUM_BLOCK),)](
@@ -248,9 +317,11 @@ def check_weight(weight: torch.Tensor, weight_scale: torch.Tensor | None, dtype:
                  dtypes=(torch.float32,), device=device)
 
 
-def _check_config(cfg: SkinnyConfig, m: int) -> None:
+def _check_config(cfg: SkinnyConfig, m: int, *, fp8: bool = False) -> None:
     def pow2(v: int) -> bool:
         return v >= 1 and v & (v - 1) == 0
+
+    check_gemv_reduction(cfg, fp8)
 
     if not all(pow2(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k)):
         raise ValueError(f"{cfg}: block sizes must be powers of two")
@@ -262,3 +333,17 @@ def _check_config(cfg: SkinnyConfig, m: int) -> None:
                          ">= 16")
     if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
         raise ValueError(f"{cfg}: split_k, num_warps and num_stages must be >= 1")
+
+
+def check_gemv_reduction(cfg: SkinnyConfig, fp8: bool) -> None:
+    """vec and mma_rows (gemv_acc): vec a power of two dividing block_k; mma_rows 0, or 16 or
+    64 for an fp8 weight at block_m 1, with block_n and block_k >= 16."""
+    if cfg.vec < 1 or cfg.vec & (cfg.vec - 1) or cfg.block_k % cfg.vec:
+        raise ValueError(f"{cfg}: vec must be a power of two dividing block_k")
+    if cfg.mma_rows not in (0, 16, 64):
+        raise ValueError(f"{cfg}: mma_rows must be 0, 16 or 64")
+    if cfg.mma_rows and (not fp8 or cfg.block_m != 1 or cfg.block_n < 16 or cfg.block_k < 16):
+        raise ValueError(f"{cfg}: mma_rows serves an fp8 weight at block_m 1, block_n and "
+                         "block_k >= 16")
+    if cfg.vec > 1 and cfg.block_m != 1:
+        raise ValueError(f"{cfg}: vec serves block_m 1")

@@ -12,7 +12,7 @@ from kernels.decode_attention import DecodeConfig, paged_attention_decode
 from kernels.extend_attention import paged_attention_extend
 from kernels.fused_gemv import act_linear, norm_linear
 from kernels.fused_qkv import norm_qkv_rotary_store
-from kernels.skinny_gemm import skinny_linear
+from kernels.skinny_gemm import SkinnyConfig, skinny_linear
 
 F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -118,6 +118,57 @@ def test_fused_gemvs_fp8_weight(device: str, check_rel) -> None:
     gate_up = torch.randn(1, 2 * k, device=device).to(dtype)
     check_rel(act_linear(gate_up, q, None, weight_scale=scale).float(),
               act_linear(gate_up, w, None).float(), tol)
+
+
+# The batch-1 reductions other than the tile accumulator (skinny_gemm's module docstring): an
+# in-thread partial sum of 16 products, and the tensor cores on x's fp16 hi / lo rows (16 and
+# 64 rows of A), on several K tiles.
+GEMV_REDUCTIONS = [SkinnyConfig(1, 32, 32, vec=16, num_stages=3),
+                   SkinnyConfig(1, 16, 32, mma_rows=16, num_stages=3),
+                   SkinnyConfig(1, 64, 32, mma_rows=64, num_stages=2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", GEMV_REDUCTIONS, ids=["vec16", "mma16", "mma64"])
+def test_gemv_reductions_fp8_weight(device: str, config: SkinnyConfig, check_rel) -> None:
+    """skinny_linear, norm_linear, act_linear and the fused qkv on an fp8 weight with each
+    reduction: the default kernels' results on the dequantized weight, to float32 rounding on
+    the CPU (float32; x of +-1e4 for the hi / lo split) and bf16's on the GPU."""
+    if device == "cpu":
+        n, k, dtype, tol, heads, kvh, d = 64, 96, F32, 2e-6, 4, 2, 32
+    else:
+        n, k, dtype, tol, heads, kvh, d = 4096, 4096, BF16, 8e-3, 32, 8, 128
+        config = config._replace(block_n=2 * config.block_n, block_k=4 * config.block_k)
+    q, scale = _fp8_weight(n, k, device)
+    w = torch_ops.dequantize_rows(q, scale, dtype)
+    x = (torch.randn(1, k, device=device) * torch.logspace(-3, 4, k, device=device)).to(dtype)
+    check_rel(skinny_linear(x, q, None, weight_scale=scale, config=config).float(),
+              skinny_linear(x, w, None).float(), tol)
+    h, res = (torch.randn(1, k, device=device).to(dtype) for _ in range(2))
+    g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    out, new_res = norm_linear(h, res, g, EPS, q, None, weight_scale=scale, config=config)
+    want, want_res = norm_linear(h, res, g, EPS, w, None)
+    check_rel(out.float(), want.float(), tol)
+    assert torch.equal(new_res, want_res)
+    gate_up = torch.randn(1, 2 * k, device=device).to(dtype) * 8
+    check_rel(act_linear(gate_up, q, None, weight_scale=scale, config=config).float(),
+              act_linear(gate_up, w, None).float(), tol)
+    nq = (heads + 2 * kvh) * d
+    q8, s8 = _fp8_weight(nq, k, device)
+    w8 = torch_ops.dequantize_rows(q8, s8, dtype)
+    freqs = torch.arange(600, device=device, dtype=F32)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, d, 2, device=device, dtype=F32) / d))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    pos, slot = torch.tensor([517], device=device), torch.tensor([13], device=device)
+    qkv_config = config._replace(block_n=max(config.block_n, 32 if config.mma_rows else 0))
+    got = []
+    for weight, ws, cfg in ((q8, s8, qkv_config), (w8, None, None)):
+        kc, vc = (torch.zeros(6, 4, kvh, d, device=device, dtype=dtype) for _ in range(2))
+        rq, _ = norm_qkv_rotary_store(h, res, g, EPS, weight, None, pos, cos_sin, kc, vc, slot,
+                                      heads, config=cfg, weight_scale=ws)
+        got.append((rq, kc, vc))
+    for a, b in zip(*got, strict=True):
+        check_rel(a.float(), b.float(), tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
