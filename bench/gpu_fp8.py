@@ -272,15 +272,17 @@ def gemv_sweep(copy_tb_s: float) -> list[dict]:
 
 
 def best_gemv_configs(rows: list[dict]) -> dict[tuple[int, int], SkinnyConfig]:
-    """(n, k) -> the sweep's fastest config (within 1e-2 of the bf16 kernel's output)."""
+    """(n, k) -> the sweep's fastest config (within 1e-2 of the bf16 kernel's output), where it
+    beats the default."""
     best: dict[tuple[int, int], dict] = {}
     for r in rows:
-        if r["config"] is None or r["rel_err_vs_bf16_kernel"] >= 1e-2:
+        if r["rel_err_vs_bf16_kernel"] >= 1e-2:
             continue
         key = (r["n"], r["k"])
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
-    return {key: SkinnyConfig(**r["config"]) for key, r in best.items()}
+    return {key: SkinnyConfig(**r["config"]) for key, r in best.items()
+            if r["config"] is not None}
 
 
 @contextlib.contextmanager
