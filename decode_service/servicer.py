@@ -9,6 +9,7 @@ after it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -68,6 +69,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.inbox = inbox
         self.metrics = metrics
         self.lane = lane
+        # With debug logs: the engine's last launches (time.time() at entry, kind, seconds),
+        # for the handoff's breakdown of what ran between its admission and token 2.
+        self._launches: collections.deque[tuple[float, str, float]] = collections.deque(
+            maxlen=64)
+        if log.isEnabledFor(logging.DEBUG):
+            offset = time.time() - time.perf_counter()
+            instance.loop.engine.runner.step_listeners.append(
+                lambda t: self._launches.append((offset + t.start, t.kind, t.seconds)))
 
     async def Decode(self, request: decode_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -115,8 +124,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             started: set[int] = set()  # n > 1: the choices that sent a message
             async for out in stream:
                 if not started and first.critical_ms and log.isEnabledFor(logging.DEBUG):
-                    log.debug("handoff %s: critical path %.2f ms (first token -> queued here)%s",
-                              rid, first.critical_ms, _breakdown(first.taken))
+                    log.debug("handoff %s: critical path %.2f ms (first token -> queued here)%s;"
+                              " launches since its admission: %s", rid, first.critical_ms,
+                              _breakdown(first.taken), self._launches_since(first.taken))
                 self.metrics.observe_tokens(timer, len(out.new_token_ids), time.monotonic())
                 if out.finished:
                     self.metrics.observe_finished(timer, out.metrics, time.monotonic())
@@ -244,6 +254,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     context: grpc.aio.ServicerContext) -> decode_pb2.DecodeServiceStatsResponse:
         return decode_pb2.DecodeServiceStatsResponse(stats=await self.instance.stats(
             num_pending_handoffs=len(self.inbox.pending)))
+
+
+    def _launches_since(self, taken: Taken | None) -> str:
+        """The engine's launches (debug logs) from the admission on: kind @ ms after the
+        first token (launch ms)."""
+        if taken is None or not taken.admitted_unix_s:
+            return ""
+        t0 = taken.first_token_unix_s
+        return ", ".join(f"{kind} @{1e3 * (start - t0):+.2f} ({1e3 * seconds:.2f})"
+                         for start, kind, seconds in list(self._launches)
+                         if start >= taken.admitted_unix_s - 0.005)
 
 
 def _breakdown(taken: Taken | None) -> str:
