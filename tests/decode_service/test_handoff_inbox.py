@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -17,10 +18,12 @@ from common.engine.engine import LLMEngine
 from common.errors import HandoffNotFoundError, PeerGoneError
 from common.flags import build
 from common.kv_transport.source import KVSource
-from common.registry import EmbeddedRedis, InstanceInfo, Registry
+from common.registry import EmbeddedRedis, HandoffDescriptor, InstanceInfo, Registry
+from common.serving.doorbell import DoorbellListener
 from common.serving.engine_loop import EngineLoop
 from common.serving.metrics import SLO, DecodeMetrics, engine_stats
-from decode_service.handoff import HandoffInbox
+from decode_service.handoff import HandoffInbox, _Early
+from prefill_service.delivery import Deliveries
 
 MODEL = "dummy:tiny-llama"
 PREFILL = "prefill-0"
@@ -358,3 +361,47 @@ def test_an_unusable_kv_is_not_admitted(setup):
     (accepted, _), taken = asyncio.run(scenario())
     assert not accepted and taken.block_ids is None and taken.admitted is None and not admitted
     assert used(loop) == 0
+
+
+def test_the_early_and_the_short_ring_make_the_whole_descriptor(setup):
+    """The prefill's two rings of an early handoff, through a real doorbell: the early one's
+    descriptor lacks the checksum and block hashes, the short one brings them, and together
+    they give the decode side the descriptor a whole ring would have carried."""
+    _, _, inbox, source, _ = setup
+    address = f"127.0.0.1:{id(object())}"
+    blocks, hashes = [3, 4], [11, -12]
+    # A CPU source offers no cuda_ipc: one stands in for the pool's handle (never opened here).
+    ipc = {**source.offers, "cuda_ipc": {"handle": "aGFuZGxl"}}
+    full = dataclasses.replace(source.describe("two-rings", blocks, 32, hashes, checksum=1234),
+                               transports=ipc)
+    deliveries = Deliveries(None, 10.0, None)
+
+    async def scenario():
+        got: list[dict] = []
+        arrived = asyncio.Event()
+
+        def on_ring(message):
+            got.append(message)
+            if len(got) == 2:
+                arrived.set()
+
+        listener = DoorbellListener(address, on_ring).start()
+        try:
+            early = dataclasses.replace(source.describe("two-rings", blocks, 32, (), checksum=0),
+                                        transports=ipc)
+            assert deliveries.ring_early(early, b"\x01" * 64, address)
+            assert deliveries.ring_checksum("two-rings", 42, 1234, hashes, address,
+                                            time.time(), time.time())
+            await asyncio.wait_for(arrived.wait(), 5)
+        finally:
+            deliveries.doorbell.close()
+            listener.close()
+        return got
+
+    early_ring, short_ring = asyncio.run(scenario())
+    assert early_ring["early"] and "descriptor_json" not in short_ring
+    early = _Early(early_ring["block_ids"], early_ring["cuda_ipc"], None,
+                   HandoffDescriptor.from_json(early_ring["descriptor_json"]))
+    rebuilt = inbox._ring_descriptor(types.SimpleNamespace(early=early), short_ring)
+    assert dataclasses.replace(rebuilt, created_at=0) == dataclasses.replace(full, created_at=0)
+    assert early.matches(rebuilt) and short_ring["first_token_id"] == 42
