@@ -7,9 +7,15 @@ packed for 64 rows ran SmolLM2-135M's projections at 7 rows as fast as at 1. Res
 from F.linear by float rounding only (~1e-6 relative). bfloat16 weights are packed too where
 oneDNN has bf16 kernels for the CPU (AVX-512 BF16 or AMX): at 32 rows SmolLM2's projections took
 0.60 ms a layer against F.linear's 0.72, its logits 5.4 ms against 7.6 (2-core AVX-512 box).
+On an x86 CPU without them (AVX-512 alone: torch reports bf16 support there, and oneDNN
+emulates it) bf16 weights are packed in float32 instead (widened exactly, so the products and
+float32 sums are a bf16 kernel's; the rows widened going in, the result rounded to bf16 coming
+out): on the 2-core Ice Lake box (no avx512_bf16) oneDNN's bf16 ran SmolLM2's projections at
+24-53 GFLOP/s from 1 to 2048 rows, its float32 at 27-250 on the same shapes (2 to 5x).
 
 install_cpu_ops packs a model's projections; a float32 projection's packed copy is then its only
-one (PackedOnly): the module's weight becomes a stand-in on the meta device, whose values
+one (PackedOnly; a bf16 weight packed in float32 too, so that its projection is held once, at
+twice the bytes): the module's weight becomes a stand-in on the meta device, whose values
 dense_weight() gives, and decode rows read the packed copy through
 kernels.cpu_layer_ops.packed_linear. (Freeing the original's storage in place was tried in the
 seventh session and undone: such a tensor keeps its shape, and anything that touched it read
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import platform
 import sys
 
 import torch
@@ -48,8 +55,14 @@ BATCH_SIZE_HINT = 64
 
 @functools.cache
 def onednn_bf16_available() -> bool:
-    """oneDNN has bf16 kernels for this CPU (else torch's own would run, slower than fp32)."""
-    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """oneDNN has native bf16 kernels for this CPU (on x86: AVX-512 BF16 or AMX; elsewhere
+    torch's word). torch's _is_mkldnn_bf16_supported() is true on any AVX-512 CPU, where oneDNN
+    emulates bf16 at a fraction of its float32 rate (module docstring)."""
+    if not (onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 @functools.cache
@@ -90,7 +103,8 @@ class OneDnnLinear:
       step's rows read each weight once at memory speed, where oneDNN's GEMM on weights packed
       for 64 rows streams them at 8-25 GB/s; and a bf16 weight at every row count where oneDNN
       has no bf16 kernels (AVX2: F.linear ran bf16 6x slower than small_linear, at 1-512 rows);
-    - else oneDNN on the packed copy, in float32 for a wide-output weight;
+    - else oneDNN on the packed copy (in float32 for a wide-output weight, and for a bf16 one
+      where oneDNN has no native bf16 kernels: pack_dtype);
     - else F.linear."""
 
     def __init__(self, batch_size_hint: int = BATCH_SIZE_HINT):
@@ -115,9 +129,7 @@ class OneDnnLinear:
             out = cpu_layer_ops.small_linear(x2, weight, float32_out=wide)
         elif packable(weight):
             packed = self.pack(weight, torch.float32 if wide else None)
-            if packed.dtype != x.dtype:
-                x2, bias = x2.to(packed.dtype), None if bias is None else bias.to(packed.dtype)
-            out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+            out = _onednn_linear(x2, packed, bias, torch.float32 if wide else x.dtype)
         else:
             out = F.linear(x2, weight, bias)
             out = out.float() if wide else out
@@ -135,7 +147,8 @@ class OneDnnLinear:
             and (packable(weight) or cpu_layer_ops.small_linear_dtype(weight.dtype)))
 
     def hold_packed_only(self, module: nn.Linear) -> bool:
-        """Packs module's float32 weight and, where packed_linear reads oneDNN's layout of it,
+        """Packs module's weight and, where it is packed in float32 (pack_dtype) and
+        packed_linear reads oneDNN's layout of it,
         replaces the weight by a stand-in that holds the packed copy only (PackedOnly); the
         original is freed once nothing else holds it. Whether it did."""
         weight = module.weight
@@ -163,14 +176,15 @@ class OneDnnLinear:
         self._wide[id(weight)] = weight
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The packed copy of weight [N, K] (made now, in dtype, default the weight's, if there
+        """The packed copy of weight [N, K] (made now, in dtype, default pack_dtype's, if there
         is none or it is stale)."""
         version = _version(weight)
         entry = self._packed.get(id(weight))
         if entry is not None and entry[0] is weight and entry[1] == version:
             return entry[2]
         packed = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().to(dtype or weight.dtype).contiguous(), self.batch_size_hint)
+            weight.detach().to(dtype or pack_dtype(weight) or weight.dtype).contiguous(),
+            self.batch_size_hint)
         self._packed[id(weight)] = (weight, version, packed)
         self.num_packs += 1
         return packed
@@ -198,19 +212,33 @@ PACKED_ONLY = "splitserve_packed_only"
 
 @dataclasses.dataclass(frozen=True)
 class PackedOnly:
-    """A float32 projection weight [N, K] held only as oneDNN's packed copy: decode rows read it
-    through kernels.cpu_layer_ops.packed_linear, more rows through oneDNN. The module's weight
-    is then a stand-in on the meta device (its shape and dtype, no values: reading it raises
-    rather than reading freed memory) carrying this; dense_weight() gives the values."""
+    """A projection weight [N, K] held only as oneDNN's packed copy in float32 (a float32
+    weight's, or a bf16 one's where oneDNN has no native bf16: rows widened going in, the
+    result rounded to bf16): decode rows read it through kernels.cpu_layer_ops.packed_linear,
+    more rows through oneDNN. The module's weight is then a stand-in on the meta device (its
+    shape and dtype, no values: reading it raises rather than reading freed memory) carrying
+    this; dense_weight() gives the values."""
     packed: torch.Tensor  # oneDNN's opaque tensor
     view: torch.Tensor    # its storage: [ceil(N / 64), KP, 64] float32 (packed_linear's weight)
     n: int
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [M, K]
         if bias is None and x.shape[0] <= packed_linear_rows():
-            return cpu_layer_ops.packed_linear(x if x.stride(1) == 1 else x.contiguous(),
-                                               self.view, self.n)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            xf = x.float() if x.dtype != torch.float32 else x
+            out = cpu_layer_ops.packed_linear(xf if xf.stride(1) == 1 else xf.contiguous(),
+                                              self.view, self.n)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        return _onednn_linear(x, self.packed, bias, x.dtype)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """oneDNN's GEMM x [M, K] @ packed, in packed's dtype (x and bias widened to it where they
+    are bf16: exact), the result in out_dtype."""
+    if x.dtype != packed.dtype:
+        x, bias = x.to(packed.dtype), None if bias is None else bias.to(packed.dtype)
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def packed_only(weight: torch.Tensor) -> PackedOnly | None:
@@ -222,15 +250,15 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     packed copy unpacked (a new tensor: writing to it changes nothing the model reads). Every
     reader of a projection weight after install_cpu_ops goes through this."""
     held = packed_only(weight)
-    return weight if held is None else held.packed.to_dense()
+    return weight if held is None else held.packed.to_dense().to(weight.dtype)
 
 
 def packed_layout_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """packed's storage as [ceil(N / 64), KP, 64] (KP: K rounded up to 16), the layout oneDNN
-    gave float32 weights packed for 64 rows on AVX2, checked element by element against weight
-    [N, K]; None where the layout is another or packed_linear is not built."""
-    if not (packed.dtype == weight.dtype == torch.float32
-            and cpu_layer_ops.packed_linear_available()):
+    gave float32 weights packed for 64 rows on AVX2 and AVX-512, checked element by element
+    against weight [N, K] (float32, or bf16 widened); None where packed is not float32, the
+    layout is another or packed_linear is not built."""
+    if not (packed.dtype == torch.float32 and cpu_layer_ops.packed_linear_available()):
         return None
     n, k = weight.shape
     nb, kp = -(-n // 64), -(-k // 16) * 16
@@ -239,7 +267,7 @@ def packed_layout_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tens
         return None
     view = cpu_layer_ops.alias_storage(packed, torch.ops.mkldnn.data_ptr(packed), numel)
     view = view.view(nb, kp, 64)
-    same = torch.equal(view.transpose(1, 2).reshape(nb * 64, kp)[:n, :k], weight)
+    same = torch.equal(view.transpose(1, 2).reshape(nb * 64, kp)[:n, :k], weight.float())
     return view if same else None
 
 
@@ -250,10 +278,24 @@ def restore_dense_weights(model: nn.Module) -> None:
             m.weight = nn.Parameter(dense_weight(m.weight), requires_grad=False)
 
 
+def pack_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype oneDNN runs weight's projection in, or None where it is not packed: a float32
+    weight in float32; a bf16 one in bf16 where oneDNN has native bf16 kernels, else in float32
+    unless small_linear takes bf16 at every row count (the AVX2 build, which widens bf16 in
+    registers and ran it 6x faster than F.linear)."""
+    if not (onednn_available() and weight.dim() == 2 and weight.device.type == "cpu"):
+        return None
+    if weight.dtype == torch.float32:
+        return torch.float32
+    if weight.dtype == torch.bfloat16:
+        if onednn_bf16_available():
+            return torch.bfloat16
+        return None if cpu_layer_ops.bf16_dot_available() else torch.float32
+    return None
+
+
 def packable(weight: torch.Tensor) -> bool:
-    return (onednn_available() and weight.dim() == 2 and weight.device.type == "cpu"
-            and (weight.dtype == torch.float32
-                 or (weight.dtype == torch.bfloat16 and onednn_bf16_available())))
+    return pack_dtype(weight) is not None
 
 
 def _version(t: torch.Tensor) -> int:

@@ -3,6 +3,8 @@ with cpu_linear onednn against torch on the real model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ from common.models.ops_onednn import (
     onednn_available,
     onednn_bf16_available,
     onednn_ops,
+    pack_dtype,
+    packable,
     packed_layout_view,
     packed_only,
     resolve_cpu_linear,
@@ -113,7 +117,25 @@ def test_falls_back_to_f_linear(case: str) -> None:
         torch.testing.assert_close(weight.grad, x.sum(0).expand(32, 16))
 
 
-needs_bf16 = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 kernels")
+needs_bf16 = pytest.mark.skipif(not packable(torch.ones(2, 2, dtype=torch.bfloat16)),
+                                reason="bf16 weights are not packed here")
+
+
+def test_native_bf16_follows_the_cpu() -> None:
+    """torch says bf16 on any AVX-512 CPU; oneDNN's bf16 counts as native only with AVX-512
+    BF16 or AMX (the CPU's flags, as /proc/cpuinfo lists them), else a bf16 weight is packed in
+    float32 (or left to small_linear on AVX2)."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    flags = next((line.split() for line in lines if line.startswith("flags")), None)
+    if not (onednn_available() and flags and "avx2" in flags):
+        pytest.skip("no oneDNN, or not an x86 CPU whose flags are known")
+    native = bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    assert onednn_bf16_available() == (native and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    want = (torch.bfloat16 if onednn_bf16_available()
+            else None if cpu_layer_ops.bf16_dot_available() else torch.float32)
+    assert pack_dtype(torch.ones(2, 2, dtype=torch.bfloat16)) == want
+    assert pack_dtype(torch.ones(2, 2)) == torch.float32
 
 
 @needs_bf16
@@ -127,6 +149,33 @@ def test_bf16_matches_f_linear(rows: int) -> None:
     got, want = linear(x, weight, bias), F.linear(x.float(), weight.float(), bias.float())
     assert got.dtype == torch.bfloat16 and linear.num_packs == 1
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    if pack_dtype(weight) == torch.float32:  # float32 sums of exact products, rounded once
+        torch.testing.assert_close(got, want.bfloat16(), atol=0.0, rtol=1 / 128)
+
+
+@pytest.mark.skipif(pack_dtype(torch.ones(2, 2, dtype=torch.bfloat16)) != torch.float32,
+                    reason="bf16 weights are not packed in float32 here")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_held_packed_only_in_float32(with_bias: bool) -> None:
+    """Without native bf16 a bf16 projection is held once, as its float32 packed copy: bf16
+    rows in, bf16 out (float32 sums, rounded once), its dense weight the bf16 original."""
+    g = torch.Generator().manual_seed(5)
+    module = torch.nn.Linear(576, 192, bias=with_bias, dtype=torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(192, 576, generator=g))
+    original = module.weight.clone()
+    linear = OneDnnLinear()
+    if not linear.hold_packed_only(module):
+        pytest.skip("packed_linear does not read oneDNN's layout here")
+    assert module.weight.is_meta and module.weight.dtype == torch.bfloat16
+    assert torch.equal(dense_weight(module.weight), original)
+    for rows in (1, 2, 7, 64):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        got = linear(x, module.weight, module.bias)
+        want = F.linear(x.float(), original.float(),
+                        None if module.bias is None else module.bias.float())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want.bfloat16(), atol=0.0, rtol=1 / 128)
 
 
 @needs_bf16
