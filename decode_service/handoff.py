@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -107,15 +106,21 @@ class _Early:
     """An early ring's copy: a thread waits for the prefill step's interprocess event, then the
     event loop queues the copy (and its sums) into the reserved blocks; `queued` gets (pinned
     host sums, event when copied), or an exception. Loop-thread state but for the wait."""
-    block_ids: list[int]              # the source's blocks
-    offer: dict                       # the source pool's cuda_ipc entry
-    queued: asyncio.Future
     # The handoff's descriptor but for its checksum and block hashes, which the short ring
-    # at the first token brings (None: the ring brings a whole descriptor).
-    desc: HandoffDescriptor | None = None
+    # at the first token brings (HandoffDescriptor.completed).
+    desc: HandoffDescriptor
+    queued: asyncio.Future
     dropped: bool = False             # nobody will use it: it must not be queued any more
     event_unix_s: float = 0.0         # when the waiting thread saw the event (Taken.marks)
     queued_unix_s: float = 0.0        # when the copy was queued (Taken.marks)
+
+    @property
+    def block_ids(self) -> list[int]:  # the source's blocks
+        return self.desc.block_ids
+
+    @property
+    def offer(self) -> dict:  # the source pool's cuda_ipc entry
+        return self.desc.transports["cuda_ipc"]
 
     def matches(self, desc: HandoffDescriptor) -> bool:
         ipc = desc.transports.get("cuda_ipc") or {}
@@ -351,10 +356,9 @@ class HandoffInbox:
         the early ring's is not here."""
         if "descriptor_json" in message:
             return HandoffDescriptor.from_json(message["descriptor_json"])
-        if slot.early is None or slot.early.desc is None:
+        if slot.early is None:
             return None
-        return dataclasses.replace(slot.early.desc, checksum=int(message["checksum"]),
-                                   block_hashes=[int(h) for h in message["block_hashes"]])
+        return slot.early.desc.completed(message["checksum"], message["block_hashes"])
 
     def _early_slot(self, request_id: str) -> _Slot:
         """The slot of a request whose early ring came before its Decode call (both leave
@@ -383,17 +387,15 @@ class HandoffInbox:
                 or not pool.is_cuda or self.shards is not None):
             return
         try:
-            block_ids = [int(b) for b in message["block_ids"]]
-            offer = dict(message["cuda_ipc"])
+            desc = HandoffDescriptor.from_json(message["descriptor_json"])
+            offer = desc.transports["cuda_ipc"]
             handle = base64.b64decode(message["event"])
-            desc = (HandoffDescriptor.from_json(message["descriptor_json"])
-                    if "descriptor_json" in message else None)
         except (KeyError, TypeError, ValueError) as e:
             log.warning("request %s: an early ring without a usable event: %s",
                         slot.request_id, e)
             return
         aio = asyncio.get_running_loop()
-        early = slot.early = _Early(block_ids, offer, aio.create_future(), desc)
+        early = slot.early = _Early(desc, aio.create_future())
         transport = self.receiver.transport("cuda_ipc")
 
         def wait() -> None:

@@ -49,17 +49,13 @@ class Deliveries:
 
     def ring(self, desc: HandoffDescriptor, first_token_id: int, address: str,
              first_token_unix_s: float, output_unix_s: float = 0.0) -> bool:
-        """Any thread: ring the doorbell of the decode service at address for this delivery
-        (its deadline: the lease from now, so before the Deliver call's, which starts later).
+        """Any thread: ring the doorbell of the decode service at address for this delivery.
         False when no doorbell heard it. output_unix_s: when the engine's output reached the
-        caller; it and the moment of sending go with the ring, for the decode side's debug
-        log of the critical path."""
-        now = time.time()
-        rang = self.doorbell.ring(address, {
+        caller, for the decode side's debug log of the critical path (_send)."""
+        rang = self._send(address, {
             "request_id": desc.request_id, "first_token_id": first_token_id,
             "first_token_unix_s": first_token_unix_s, "output_unix_s": output_unix_s,
-            "deadline_unix_s": now + self.lease_s, "descriptor_json": desc.to_json(),
-            "sent_unix_s": time.time()})
+            "descriptor_json": desc.to_json()})
         if first_token_unix_s and log.isEnabledFor(logging.DEBUG):
             log.debug("handoff %s: %s %.2f ms after the first token", desc.request_id,
                       "doorbell rung" if rang else "no doorbell",
@@ -72,11 +68,9 @@ class Deliveries:
         moment the interprocess `event` completes; desc lacks the checksum and the block
         hashes, which ring_checksum() brings at the first token. False when no doorbell heard
         it."""
-        return self.doorbell.ring(address, {
-            "request_id": desc.request_id, "early": True, "block_ids": desc.block_ids,
-            "cuda_ipc": desc.transports["cuda_ipc"], "descriptor_json": desc.to_json(),
-            "event": base64.b64encode(event).decode("ascii"),
-            "deadline_unix_s": time.time() + self.lease_s})
+        return self._send(address, {
+            "request_id": desc.request_id, "early": True, "descriptor_json": desc.to_json(),
+            "event": base64.b64encode(event).decode("ascii")})
 
     def ring_checksum(self, request_id: str, first_token_id: int, checksum: int,
                       block_hashes: list[int], address: str, first_token_unix_s: float,
@@ -84,11 +78,17 @@ class Deliveries:
         """Engine thread, at the first token of a prompt whose early ring went out: ring() but
         without the descriptor, which the early ring carried (what it lacked comes here). A
         decode service that did not keep it waits for the Deliver call, which carries it all."""
-        return self.doorbell.ring(address, {
+        return self._send(address, {
             "request_id": request_id, "first_token_id": first_token_id, "checksum": checksum,
             "block_hashes": block_hashes, "first_token_unix_s": first_token_unix_s,
-            "output_unix_s": output_unix_s, "deadline_unix_s": time.time() + self.lease_s,
-            "sent_unix_s": time.time()})
+            "output_unix_s": output_unix_s})
+
+    def _send(self, address: str, message: dict) -> bool:
+        """One ring: its deadline is the lease from now (so before the Deliver call's, which
+        starts later); the moment of sending goes with it (the decode's debug breakdown)."""
+        now = time.time()
+        return self.doorbell.ring(address, {**message, "deadline_unix_s": now + self.lease_s,
+                                            "sent_unix_s": now})
 
     async def deliver(self, desc: HandoffDescriptor, first_token_id: int, address: str,
                       metadata: tuple[tuple[str, str], ...] = (),

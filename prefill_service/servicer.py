@@ -169,7 +169,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         rung: dict[str, tuple[HandoffDescriptor, bool]] = {}  # filled by the sink, see _ringing
         early = (self.early_handoff and "cuda_ipc" in self.source.offers
                  and self.source.shards is None)
-        early_rung: list[bool] = []  # the early ring went out (engine thread)
+        early_rung: list[HandoffDescriptor] = []  # the early ring's descriptor, once it went out
         reply = (self._replying(rid, params, carried, reply_to)
                  if reply_to and params.prompt_logprobs is None else None)
         sink = (self._ringing(rid, params, carried, len(prompt), request.decode_address, reply,
@@ -183,7 +183,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 # at the first token brings (_ringing).
                 desc = self.source.describe(rid, blocks, num_tokens, (), checksum=0)
                 if self.deliveries.ring_early(desc, event, address):
-                    early_rung.append(True)
+                    early_rung.append(desc)
 
             self.instance.loop.engine.kv.watch(rid, ring_early)
         span = tracing.start("prefill", tracing.context_from(trace_metadata),
@@ -285,7 +285,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     def _ringing(self, rid: str, params: SamplingParams, carried: list[int], num_prompt_tokens: int,
                  decode_address: str, reply, stream: AsyncOutputStream,
-                 rung: dict[str, tuple[HandoffDescriptor, bool]], early_rung: list[bool]):
+                 rung: dict[str, tuple[HandoffDescriptor, bool]],
+                 early_rung: list[HandoffDescriptor]):
         """The engine's sink for a prompt (at TP 1): reply (the express reply, if any) gets
         the first token first; then, when the KV will be handed off, it is described and the
         decode service's doorbell rung right there on the engine thread, before the event loop
@@ -293,10 +294,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         _hand_off. The checksum came back with the step on a GPU; on a CPU it is computed here
         (kernels/block_sums_cpu: one pass on this thread, 0.05 ms for a 64-token SmolLM2
         prompt, ~1-3 ms for 512), where the pool is written by this thread alone. When an
-        early ring went out (early_rung, a GPU), the decode service holds the descriptor
+        early ring went out (early_rung, a GPU), the decode service holds its descriptor
         already: a short ring with the checksum goes even before the reply (tens of
-        microseconds; the decode side's copy waits only for it), and the descriptor for the
-        Deliver call is made after. Anything failing here leaves the delivery to _hand_off."""
+        microseconds; the decode side's copy waits only for it), and the Deliver call's
+        descriptor is that one completed. Anything failing here leaves the delivery to
+        _hand_off."""
         def ringing(out) -> None:
             reached = time.time()
             handing_off = (not isinstance(out, BaseException) and out.finished
@@ -305,7 +307,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                            and not _ends(out, params, carried))
             kv = self.instance.loop.engine.kv
             checksum = rang = None
-            if handing_off and early_rung:
+            early = (early_rung[0] if handing_off and early_rung
+                     and early_rung[0].block_ids == list(out.held_block_ids) else None)
+            if early is not None:
                 try:
                     checksum = kv.checksum_of(rid, out.held_block_ids)
                     if checksum is not None:
@@ -321,8 +325,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     blocks = out.held_block_ids
                     if checksum is None:
                         checksum = kv.checksum_of(rid, blocks)
-                    desc = self.source.describe(rid, blocks, num_prompt_tokens + len(carried),
-                                                out.block_hashes, checksum)
+                    desc = (early.completed(checksum, out.block_hashes)
+                            if early is not None and checksum is not None else
+                            self.source.describe(rid, blocks, num_prompt_tokens + len(carried),
+                                                 out.block_hashes, checksum))
                     if rang is None:
                         rang = self.deliveries.ring(desc, out.output_token_ids[len(carried)],
                                                     decode_address, _first_unix(out), reached)

@@ -8,6 +8,7 @@ share one registry during a rolling upgrade.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
@@ -118,6 +119,11 @@ class HandoffDescriptor:
         shard = self.shards[rank]
         return replace(self, checksum=shard["checksum"], transports=shard["transports"],
                        tensor_parallel_size=1, shards=[])
+
+    def completed(self, checksum: int, block_hashes: Sequence[int]) -> HandoffDescriptor:
+        """This descriptor with the checksum and block hashes it was sent without (an early
+        handoff's: prefill_service/delivery.py ring_early, ring_checksum)."""
+        return replace(self, checksum=int(checksum), block_hashes=[int(h) for h in block_hashes])
 
     def to_json(self) -> str:
         return _to_json(self)

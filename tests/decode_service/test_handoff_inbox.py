@@ -255,9 +255,8 @@ def test_a_ring_the_inbox_cannot_act_on_is_left_to_the_deliver_call(setup, case)
 
 
 def early_message(desc) -> dict:
-    return {"request_id": desc.request_id, "early": True, "block_ids": desc.block_ids,
-            "cuda_ipc": {"handle": "x"}, "event": "AAAA", "descriptor_json": desc.to_json(),
-            "deadline_unix_s": time.time() + 10}
+    return {"request_id": desc.request_id, "early": True, "event": "AAAA",
+            "descriptor_json": desc.to_json(), "deadline_unix_s": time.time() + 10}
 
 
 def test_an_early_ring_before_the_decode_call_waits_for_it_or_is_forgotten(setup):
@@ -400,8 +399,7 @@ def test_the_early_and_the_short_ring_make_the_whole_descriptor(setup):
 
     early_ring, short_ring = asyncio.run(scenario())
     assert early_ring["early"] and "descriptor_json" not in short_ring
-    early = _Early(early_ring["block_ids"], early_ring["cuda_ipc"], None,
-                   HandoffDescriptor.from_json(early_ring["descriptor_json"]))
+    early = _Early(HandoffDescriptor.from_json(early_ring["descriptor_json"]), None)
     rebuilt = inbox._ring_descriptor(types.SimpleNamespace(early=early), short_ring)
     assert dataclasses.replace(rebuilt, created_at=0) == dataclasses.replace(full, created_at=0)
     assert early.matches(rebuilt) and short_ring["first_token_id"] == 42
