@@ -23,7 +23,8 @@
 # the handoff's critical path), the critical path's breakdown (the decode's "critical path"
 # lines: each moment in ms after the prefill's first token) from the debug run. TESTS=1 runs
 # the GPU tests of the handoff's transports and sums first. EXTRA_FLAGS: more flags for the
-# prefill and decode services (an A/B: run it twice, each with its own OUT).
+# prefill and decode services; AB_FLAGS: an A/B in the same call, each log level's case run
+# again with EXTRA_FLAGS + AB_FLAGS right after it (named *_b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"
@@ -57,13 +58,13 @@ fi
 SHAPE="${SHAPE:-llama-3-8b}"
 FLAGS="--dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 2048"
 FLAGS="$FLAGS --cuda-graph-prefill-tokens 512 ${EXTRA_FLAGS:-}"
-run_case() {  # name, prefill device, decode device, log level
-    echo "== $1: prefill on $2, decode on $3, --log-level $4 ($(date +%T))"
+run_case() {  # name, prefill device, decode device, log level[, more flags]
+    echo "== $1: prefill on $2, decode on $3, --log-level $4 ${5:-}($(date +%T))"
     rm -rf /tmp/stack-latency-*
     timeout 280 python3 bench/stack_latency.py --model "dummy:$SHAPE" --vocab 128000 \
         --prefill-device "$2" --decode-device "$3" --local-device "$3" \
         --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests 8 --load-streams 16 \
-        --engine-flags="$FLAGS --log-level $4" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
+        --engine-flags="$FLAGS ${5:-}--log-level $4" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
     rc=$?
     tail -9 "/tmp/disagg_$1.log"
     if [ "$4" = debug ]; then
@@ -77,6 +78,9 @@ run_case() {  # name, prefill device, decode device, log level
 }
 for level in ${LOG_LEVELS:-info debug}; do
     run_case "same_gpu_$level" cuda:0 cuda:0 "$level"
+    if [ -n "${AB_FLAGS:-}" ]; then
+        run_case "same_gpu_${level}_b" cuda:0 cuda:0 "$level" "$AB_FLAGS "
+    fi
 done
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     run_case two_gpus cuda:0 cuda:1 info

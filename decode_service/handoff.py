@@ -81,6 +81,12 @@ def _settle(future: asyncio.Future, error: BaseException) -> None:
         future.exception()  # retrieved: whoever needs it reads it again
 
 
+def _resolve(future: asyncio.Future, result: object) -> None:
+    """Set a future's result unless it is done (loop thread)."""
+    if not future.done():
+        future.set_result(result)
+
+
 @dataclass(slots=True)
 class Taken:
     """A prefilled request's KV as take() hands it over. block_ids None: the KV could not be used
@@ -103,13 +109,19 @@ class Taken:
 
 @dataclass(slots=True, eq=False)
 class _Early:
-    """An early ring's copy: a thread waits for the prefill step's interprocess event, then the
-    event loop queues the copy (and its sums) into the reserved blocks; `queued` gets (pinned
-    host sums, event when copied), or an exception. Loop-thread state but for the wait."""
+    """An early ring's copy. A thread prepares it (source opened, ids uploaded, a host buffer
+    for the sums), waits for the prefill step's interprocess event and at once queues the copy
+    with its sums into the reserved blocks: `copy` is then (pinned host sums, event when
+    copied); `failed` when it could not. `queued` follows on the loop's thread, for a delivery
+    that waits for it. `lock` orders the thread's queueing against drop() (loop thread); the
+    rest is loop-thread state but for the thread's marks."""
     # The handoff's descriptor but for its checksum and block hashes, which the short ring
     # at the first token brings (HandoffDescriptor.completed).
     desc: HandoffDescriptor
     queued: asyncio.Future
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    copy: tuple[torch.Tensor, torch.cuda.Event] | None = None  # set once, under lock
+    failed: bool = False              # the thread could not queue it (queued says why)
     dropped: bool = False             # nobody will use it: it must not be queued any more
     event_unix_s: float = 0.0         # when the waiting thread saw the event (Taken.marks)
     queued_unix_s: float = 0.0        # when the copy was queued (Taken.marks)
@@ -122,6 +134,11 @@ class _Early:
     def offer(self) -> dict:  # the source pool's cuda_ipc entry
         return self.desc.transports["cuda_ipc"]
 
+    @property
+    def through(self) -> bool:
+        """The thread is done with it: the copy is queued, or will not be."""
+        return self.copy is not None or self.failed
+
     def matches(self, desc: HandoffDescriptor) -> bool:
         ipc = desc.transports.get("cuda_ipc") or {}
         return (list(desc.block_ids) == self.block_ids
@@ -129,11 +146,13 @@ class _Early:
 
     def drop(self) -> None:
         """Never queued from now on; a copy queued already is waited for (it writes the slot's
-        blocks, which are about to be freed or pulled into again)."""
-        self.dropped = True
-        if self.queued.done() and not self.queued.cancelled() and not self.queued.exception():
-            self.queued.result()[1].synchronize()
-        elif not self.queued.done():
+        blocks, which are about to be freed or pulled into again). Loop thread."""
+        with self.lock:
+            self.dropped = True
+            copy = self.copy
+        if copy is not None:
+            copy[1].synchronize()
+        if not self.queued.done():
             self.queued.cancel()
 
 
@@ -376,11 +395,12 @@ class HandoffInbox:
 
     def _ring_early(self, slot: _Slot | None, message: dict) -> None:
         """The prefill launched the step that writes the prompt's last KV, behind which it
-        recorded the interprocess event named here: a thread waits for that event (never this
-        thread, nor a GPU stream: a source that dies before its step ends leaves only that
-        thread waiting), then the loop queues the copy with its sums into the reserved blocks.
-        The ring with the checksum (or the Deliver call) then only compares the sums. Ignored
-        unless the blocks are reserved, nobody pulls yet, and the pool is a GPU's at TP 1."""
+        recorded the interprocess event named here: a thread prepares the copy, waits for that
+        event (never this thread, nor a GPU stream: a source that dies before its step ends
+        leaves only that thread waiting) and queues the copy with its sums into the reserved
+        blocks the moment it completes, without a turn of the event loop. The ring with the
+        checksum (or the Deliver call) then only compares the sums. Ignored unless the blocks
+        are reserved, nobody pulls yet, and the pool is a GPU's at TP 1."""
         pool = self.loop.engine.kv_cache
         if (slot is None or slot.claimed or slot.early is not None or not slot.reserved.done()
                 or slot.reserved.cancelled() or slot.delivered.done() or slot.ended
@@ -397,35 +417,29 @@ class HandoffInbox:
         aio = asyncio.get_running_loop()
         early = slot.early = _Early(desc, aio.create_future())
         transport = self.receiver.transport("cuda_ipc")
+        blocks, after = slot.reserved.result()
 
         def wait() -> None:
             try:
+                with transfer_stream(pool, after):
+                    launch = transport.prepare_copy(offer, early.block_ids, pool, blocks)
                 transport.open_event(offer, handle).synchronize()
                 early.event_unix_s = time.time()
-                then = (self._queue_early, slot, early)
+                with early.lock:
+                    if early.dropped or slot.ended:
+                        raise TransferError("the early copy was dropped")
+                    with transfer_stream(pool):
+                        copy = launch()
+                    early.queued_unix_s = time.time()
+                    early.copy = copy  # last: the loop's thread reads it unlocked
+                then = (_resolve, early.queued, early.copy)
             except Exception as e:  # reported on the loop; the delivery pulls as usual
+                early.failed = True
                 then = (_settle, early.queued, e)
             with contextlib.suppress(RuntimeError):  # the loop closed: the service stops
                 aio.call_soon_threadsafe(*then)
 
         threading.Thread(target=wait, name="kv-early", daemon=True).start()
-
-    def _queue_early(self, slot: _Slot, early: _Early) -> None:
-        """Loop thread, the prefill's step done: queue the early copy unless dropped."""
-        if early.dropped or early.queued.done() or slot.ended:
-            _settle(early.queued, TransferError("the early copy was dropped"))
-            return
-        blocks, after = slot.reserved.result()
-        pool = self.loop.engine.kv_cache
-        try:
-            with transfer_stream(pool, after):
-                result = self.receiver.transport("cuda_ipc").queue_copy(
-                    early.offer, early.block_ids, pool, blocks)
-        except (TransferError, RuntimeError) as e:
-            _settle(early.queued, e)
-            return
-        early.queued_unix_s = time.time()
-        early.queued.set_result(result)
 
     def _take_early(self, slot: _Slot, desc: HandoffDescriptor, blocks: list[int],
                     deadline: float | None, span: tracing.Span | _PullAttributes) -> str | None:
@@ -436,15 +450,14 @@ class HandoffInbox:
         early = slot.early
         if early is None:
             return None
-        if (not early.matches(desc) or not early.queued.done() or early.queued.cancelled()
-                or early.queued.exception() is not None):
+        if not early.matches(desc) or early.copy is None:
             early.drop()
             slot.early = None
             return None
         start = time.monotonic()
         slot.marks["early copy checked"] = time.time()
         pool = self.loop.engine.kv_cache
-        host, done = early.queued.result()
+        host, done = early.copy
         slot.early = None
         try:
             check_geometry(desc, pool, blocks)
@@ -487,7 +500,7 @@ class HandoffInbox:
         deadline = None if time_remaining_s is None else arrived + time_remaining_s
         here = slot.early is not None or (self.loop.engine.kv_cache.is_cuda
                                           and desc.source_host_id == self.receiver.host)
-        if here and (slot.early is None or slot.early.queued.done()):
+        if here and (slot.early is None or slot.early.through):
             return self._pull_and_hand_over(slot, desc, first_token_id, blocks, after, arrived,
                                             deadline, span, first_token_unix_s)
         slot.pulling = True  # the blocks stay this call's while it waits
@@ -515,7 +528,7 @@ class HandoffInbox:
         slot = self.slots.get(request_id)
         if (request_id in self.gone or slot is None or not slot.reserved.done()
                 or slot.reserved.cancelled() or slot.delivered.done() or slot.ended
-                or slot.early is None or not slot.early.queued.done()):
+                or slot.early is None or slot.early.copy is None):
             return None
         arrived = time.monotonic()
         slot.claimed = True

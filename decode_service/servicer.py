@@ -69,14 +69,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.inbox = inbox
         self.metrics = metrics
         self.lane = lane
-        # With debug logs: the engine's last launches (time.time() at entry, kind, seconds),
-        # for the handoff's breakdown of what ran between its admission and token 2.
-        self._launches: collections.deque[tuple[float, str, float]] = collections.deque(
+        # With debug logs: the engine's last launches (time.time() at entry, kind, seconds,
+        # seconds building its input), for the handoff's breakdown of what ran between its
+        # admission and token 2.
+        self._launches: collections.deque[tuple[float, str, float, float]] = collections.deque(
             maxlen=64)
         if log.isEnabledFor(logging.DEBUG):
             offset = time.time() - time.perf_counter()
             instance.loop.engine.runner.step_listeners.append(
-                lambda t: self._launches.append((offset + t.start, t.kind, t.seconds)))
+                lambda t: self._launches.append((offset + t.start, t.kind, t.seconds,
+                                                 t.built - t.start)))
 
     async def Decode(self, request: decode_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -258,12 +260,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def _launches_since(self, taken: Taken | None) -> str:
         """The engine's launches (debug logs) from the admission on: kind @ ms after the
-        first token (launch ms)."""
+        first token (launch ms, of which building its input)."""
         if taken is None or not taken.admitted_unix_s:
             return ""
         t0 = taken.first_token_unix_s
-        return ", ".join(f"{kind} @{1e3 * (start - t0):+.2f} ({1e3 * seconds:.2f})"
-                         for start, kind, seconds in list(self._launches)
+        return ", ".join(f"{kind} @{1e3 * (start - t0):+.2f} ({1e3 * seconds:.2f}, "
+                         f"input {1e3 * building:.2f})"
+                         for start, kind, seconds, building in list(self._launches)
                          if start >= taken.admitted_unix_s - 0.005)
 
 

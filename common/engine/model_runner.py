@@ -150,6 +150,8 @@ class StepTiming(NamedTuple):
     kind: str     # the path that ran it (PendingStep.kind)
     start: float  # time.perf_counter() when launch() was entered
     end: float    # ... and when it returned: the step is launched, not necessarily done
+    built: float = 0.0  # ... and when its input was built (the previous step's sampling, if
+    #                     deferred, and build_step_input done; run_step from here to end)
 
     @property
     def seconds(self) -> float:
@@ -249,11 +251,12 @@ class ModelRunner:
             self.last_step.sample()
         items = decodes_first(out.scheduled)
         step = build_step_input(step_rows(items), self.block_size)
+        built = time.perf_counter() if timed else 0.0
         pending = self.run_step(items, step, draft_probs or {})
         self.last_step = pending
         self.steps[pending.kind] += 1
         if timed:
-            timing = StepTiming(pending.kind, start, time.perf_counter())
+            timing = StepTiming(pending.kind, start, time.perf_counter(), built)
             for listener in self.step_listeners:
                 listener(timing)
         return pending

@@ -17,6 +17,8 @@ Rules:
 from __future__ import annotations
 
 import base64
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,16 +96,27 @@ def _one_gpu(src: torch.Tensor, dst: torch.Tensor) -> bool:
             and src.dtype == dst.dtype)
 
 
+def _upload_ids(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
+                dst_ids: list[int]) -> torch.Tensor:
+    """[2, n] int64 ids on the device for copy_block_sums, queued on the current stream.
+    TransferError for destination ids outside dst."""
+    if any(not 0 <= b < dst.shape[BLOCK_AXIS] for b in dst_ids):
+        raise TransferError(f"destination block ids outside [0, {dst.shape[BLOCK_AXIS]})")
+    return to_device([list(src_ids), list(dst_ids)], torch.int64, src.device)
+
+
+def _launch_copy(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Queue copy_block_sums on the current stream: [n, 2] int64 sums on the device."""
+    from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
+    with torch.cuda.device(src.device):  # Triton launches on the current device
+        return copy_block_sums(src, dst, ids)
+
+
 def _copy_with_sums(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
                     dst_ids: list[int]) -> torch.Tensor:
     """Queue copy_block_sums on the current stream: [n, 2] int64 sums on the device.
     TransferError for destination ids outside dst."""
-    if any(not 0 <= b < dst.shape[BLOCK_AXIS] for b in dst_ids):
-        raise TransferError(f"destination block ids outside [0, {dst.shape[BLOCK_AXIS]})")
-    from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
-    ids = to_device([list(src_ids), list(dst_ids)], torch.int64, src.device)
-    with torch.cuda.device(src.device):  # Triton launches on the current device
-        return copy_block_sums(src, dst, ids)
+    return _launch_copy(src, dst, _upload_ids(src, src_ids, dst, dst_ids))
 
 
 class CudaIpcTransport(KVTransport):
@@ -112,15 +125,22 @@ class CudaIpcTransport(KVTransport):
     def __init__(self) -> None:
         self._pools: dict[str, torch.Tensor] = {}  # IPC handle (base64) -> opened source pool
         self._events: dict[bytes, torch.cuda.Event] = {}  # early handoffs' events, opened
+        # Pulls run on one thread, early copies (prepare_copy) on their own: a handle is
+        # opened once, under this lock.
+        self._opening = threading.Lock()
 
     def _source(self, info: dict[str, Any]) -> torch.Tensor:
         pool = self._pools.get(info["handle"])
         if pool is None:
-            try:
-                pool = open_pool(info)
-            except RuntimeError as e:
-                raise TransferError(f"cannot open the source pool's CUDA IPC handle: {e}") from e
-            self._pools[info["handle"]] = pool
+            with self._opening:
+                pool = self._pools.get(info["handle"])
+                if pool is None:
+                    try:
+                        pool = open_pool(info)
+                    except RuntimeError as e:
+                        raise TransferError(
+                            f"cannot open the source pool's CUDA IPC handle: {e}") from e
+                    self._pools[info["handle"]] = pool
         return pool
 
     def _pull(self, desc: HandoffDescriptor, info: dict[str, Any], dst_pool: torch.Tensor,
@@ -138,13 +158,15 @@ class CudaIpcTransport(KVTransport):
         return combine(_copy_with_sums(src, list(desc.block_ids), dst_pool,
                                        dst_block_ids).tolist())
 
-    def queue_copy(self, info: dict[str, Any], src_ids: list[int], dst_pool: torch.Tensor,
-                   dst_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """An early handoff's copy (decode_service/handoff.py): queue copy_block_sums of src_ids
-        into dst_ids on the current stream (the caller's transfer stream), the sums' copy to
-        pinned host memory behind it, and an event behind that; returns (the host sums, the
-        event), read once the event completes. One GPU, contiguous pools of one dtype;
-        TransferError otherwise or for ids outside either pool."""
+    def prepare_copy(self, info: dict[str, Any], src_ids: list[int], dst_pool: torch.Tensor,
+                     dst_ids: list[int]) -> Callable[[], tuple[torch.Tensor, torch.cuda.Event]]:
+        """An early handoff's copy (decode_service/handoff.py), in two parts: now, the source
+        pool opened, the ids uploaded on the current stream (the caller's transfer stream) and
+        the pinned host buffer for the sums; the returned launch, called on the same stream
+        once the source's KV is written, queues copy_block_sums of src_ids into dst_ids, the
+        sums' copy to the host buffer behind it and an event behind that, and returns (the host
+        sums, the event), read once the event completes. One GPU, contiguous pools of one
+        dtype; TransferError otherwise or for ids outside either pool. Any thread."""
         src = self._source(info)
         if (not _one_gpu(src, dst_pool) or src.shape[:2] != dst_pool.shape[:2]
                 or src.shape[3:] != dst_pool.shape[3:]):
@@ -153,12 +175,16 @@ class CudaIpcTransport(KVTransport):
         if len(src_ids) != len(dst_ids) or any(not 0 <= b < src.shape[BLOCK_AXIS]
                                                for b in src_ids):
             raise TransferError("early copy: block ids outside the pools")
-        sums = _copy_with_sums(src, src_ids, dst_pool, dst_ids)
-        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-        host.copy_(sums, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
+        ids = _upload_ids(src, src_ids, dst_pool, dst_ids)
+        host = torch.empty((len(src_ids), 2), dtype=torch.int64, pin_memory=True)
+
+        def launch() -> tuple[torch.Tensor, torch.cuda.Event]:
+            host.copy_(_launch_copy(src, dst_pool, ids), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return host, done
+
+        return launch
 
     def open_event(self, info: dict[str, Any], handle: bytes) -> torch.cuda.Event:
         """The source process's interprocess event with that handle, opened once (any

@@ -403,3 +403,44 @@ def test_the_early_and_the_short_ring_make_the_whole_descriptor(setup):
     rebuilt = inbox._ring_descriptor(types.SimpleNamespace(early=early), short_ring)
     assert dataclasses.replace(rebuilt, created_at=0) == dataclasses.replace(full, created_at=0)
     assert early.matches(rebuilt) and short_ring["first_token_id"] == 42
+
+
+def test_dropping_an_early_copy_waits_for_it_or_stops_it(setup):
+    """_Early.drop against the thread that queues the copy (the lock between them): dropped
+    before, the thread finds it dropped and queues nothing; dropped after, drop() waits for the
+    queued copy's event before the blocks can be freed."""
+    _, _, _, source, _ = setup
+    desc = describe(source, "drop-race", [1, 2])
+
+    class Event:
+        synchronized = 0
+
+        def synchronize(self) -> None:
+            Event.synchronized += 1
+
+    async def scenario():
+        aio = asyncio.get_running_loop()
+        before = _Early(desc, aio.create_future())
+        before.drop()
+        with before.lock:  # what the thread checks before queueing
+            assert before.dropped and before.copy is None
+        assert before.queued.cancelled() and not before.through
+
+        after = _Early(desc, aio.create_future())
+        started, release = threading.Event(), threading.Event()
+
+        def thread() -> None:  # holds the lock while it queues, as _ring_early's thread does
+            with after.lock:
+                started.set()
+                release.wait(5)
+                after.copy = (torch.zeros(2, 2, dtype=torch.int64), Event())
+
+        worker = threading.Thread(target=thread)
+        worker.start()
+        started.wait(5)
+        threading.Timer(0.05, release.set).start()
+        after.drop()  # blocks until the copy is queued, then waits for it
+        worker.join()
+        assert after.dropped and after.through and Event.synchronized == 1
+
+    asyncio.run(scenario())

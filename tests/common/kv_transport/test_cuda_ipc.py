@@ -64,17 +64,19 @@ def test_cuda_ipc_pull_from_another_process(pool_owner) -> None:
 
 def test_an_early_copy_waits_for_the_sources_event(pool_owner) -> None:
     """The early handoff's mechanism (decode_service/handoff.py): the source records an
-    interprocess event behind work still running; the receiver waits for it on the host, then
-    queues the copy with its sums, and gets the blocks as written by that work."""
+    interprocess event behind work still running; the receiver prepares the copy meanwhile
+    (ids uploaded, host buffer), waits for the event on the host, then launches the copy with
+    its sums, and gets the blocks as written by that work."""
     import base64
     owner = pool_owner("cuda", 12, SHAPE, [3, 4, 9, 0])
     desc = owner.desc
     transport = KVReceiver().transport("cuda_ipc")
     handle = base64.b64decode(owner.command("late_scribble 9"))
     offer = desc.transports["cuda_ipc"]
-    transport.open_event(offer, handle).synchronize()
     dst = torch.zeros([2, 2, 8, 4, 2, 8], device="cuda")
-    host, done = transport.queue_copy(offer, list(desc.block_ids), dst, [6, 1, 2, 7])
+    launch = transport.prepare_copy(offer, list(desc.block_ids), dst, [6, 1, 2, 7])
+    transport.open_event(offer, handle).synchronize()
+    host, done = launch()
     done.synchronize()
     want = _seeded_pool(12, SHAPE)
     want[:, :, 9] += 1
@@ -82,6 +84,6 @@ def test_an_early_copy_waits_for_the_sources_event(pool_owner) -> None:
         assert torch.equal(dst[:, :, d].cpu(), want[:, :, s])
     assert combine(host.tolist()) == kv_checksum(want, [3, 4, 9, 0])
     with pytest.raises(TransferError, match="outside the pools"):
-        transport.queue_copy(offer, [12], dst, [0])
+        transport.prepare_copy(offer, [12], dst, [0])
     transport.close()
     assert owner.exit() == 0
