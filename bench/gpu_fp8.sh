@@ -9,6 +9,9 @@
 #   kernels   bench/gpu_fp8.py: ceilings, projections bf16 vs fp8 at M = 1/256/8192, decode
 #             attention on an fp8 pool vs bf16
 #   dsweep    bench/gpu_fp8.py --sweep decode: the fp8-pool decode kernel's launch parameters
+#   mmtests   the GPU tests of the fp8 GEMM above batch 1 (_scaled_mm, norm / activation first)
+#   step      bench/gpu_fp8_step.py: _scaled_mm's fast accumulation off and on (time, error),
+#             decode attention's split count at T4's shape, the engine's batch-256 step profiled
 #   gemv      bench/gpu_fp8.py --sweep gemv --engine: the batch-1 fp8 GEMVs' launch parameters
 #             and reductions (weights rotating over > L2), then the engine's batch-1 fp8 step
 #             profiled with the default configs and with the sweep's best
@@ -48,6 +51,11 @@ for part in $PARTS; do
             tests/kernels/test_fp8_kernels.py tests/kernels/test_skinny_gemm.py \
             tests/kernels/test_fused_gemv.py tests/kernels/test_fused_qkv.py 2>&1 \
             | tee "$OUT/fp8_tests.log" ;;
+    mmtests) timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+            tests/kernels/test_fp8_kernels.py -k "scaled_mm or many_rows or quantize" 2>&1 \
+            | tee "$OUT/fp8_mmtests.log" ;;
+    step) timeout 240 python3 bench/gpu_fp8_step.py --out "$OUT/fp8_step.json" 2>&1 \
+            | tee "$OUT/fp8_step.log" ;;
     gemv) timeout 240 python3 bench/gpu_fp8.py --sweep gemv --engine \
             --out "$OUT/fp8_gemv.json" 2>&1 | tee "$OUT/fp8_gemv.log" ;;
     kernels) timeout 150 python3 bench/gpu_fp8.py --out "$OUT/fp8_kernels.json" 2>&1 \
@@ -70,7 +78,8 @@ for part in $PARTS; do
     rc[$part]=${PIPESTATUS[0]}
 done
 echo "== summary"
-tail -n 3 "$OUT/fp8_tests.log" 2>/dev/null
+tail -n 3 "$OUT/fp8_tests.log" "$OUT/fp8_mmtests.log" 2>/dev/null
+grep -E "^copy|^gemm|^attn|^engine|^    " "$OUT/fp8_step.log" 2>/dev/null
 grep -E "^copy|x[0-9.]+ *$|x[0-9.]+  |decode B=" "$OUT/fp8_kernels.log" 2>/dev/null
 grep -E "^decode fp8" "$OUT/fp8_dsweep.log" 2>/dev/null
 grep -E "^gemv fp8|^engine batch|^    " "$OUT/fp8_gemv.log" 2>/dev/null

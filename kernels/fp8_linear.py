@@ -1,5 +1,5 @@
-"""FP8 projections on Hopper: x quantized per token by a Triton kernel, then cuBLASLt's FP8 GEMM
-(torch._scaled_mm) with row-wise scales, as vLLM's online fp8 does it:
+"""FP8 projections on Hopper: x quantized per token by a Triton kernel, then torch._scaled_mm with
+row-wise scales (on sm_90 a CUTLASS kernel inside torch), as vLLM's online fp8 does it:
 
     xq[m], xs[m] = x[m] / (amax(|x[m]|) / 448) in e4m3fn, amax(|x[m]|) / 448   (one program a row)
     out[m, n]    = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n] (+ bias[n])      (_scaled_mm)
@@ -11,9 +11,21 @@ arithmetic on the fp8 values). Where a norm or an activation comes first, it qua
 output in the same launch (kernels.norm_act.rms_norm_fp8, silu_and_mul_fp8) and the GEMM runs
 as fp8_linear_prequantized, with no quantization launch of its own (H200, M = 256: SiLU-and-mul
 + down 45.6 us against 48.7 in turn, norm + gate|up 64.5 against 64.7; bench/RESULTS.md
-"eighth session, issue 19"). Batch-1 projections do not come here: they stream the fp8 weight
-through the GEMVs (kernels.skinny_gemm, fused_gemv, fused_qkv with weight_scale), whose
-activations stay in the model's dtype.
+"eighth session, issue 19").
+
+`fast_accum` (the default): `use_fast_accum`, the sum over K kept in the tensor cores'
+accumulators (as vLLM's cutlass_scaled_mm does), where torch's default has cuBLASLt promote
+partial sums into a second float32 set. H200 (bench/RESULTS.md "twelfth session, issue 19"):
+M = 256 gate|up 58.2 -> 53.6 us, down 41.9 -> 38.7, qkv and o within 1%; M = 8192 1.04-1.17x
+(qkv 0.96x); the engine's batch-256 graph 9.97 -> 9.74 ms (same run), T1 14.3k tok/s
+(13.5k the session before). Against
+float32 arithmetic on the same fp8 values the error grows from 1.7e-3 rms relative (the bf16
+output's rounding) to 2.1e-3 at K = 4096 and 3.3e-3 at K = 14336, a tenth of what per-token
+W8A8 quantization itself costs (~3e-2).
+
+Batch-1 projections do not come here: they stream the fp8 weight through the GEMVs
+(kernels.skinny_gemm, fused_gemv, fused_qkv with weight_scale), whose activations stay in the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -72,6 +84,7 @@ def fp8_linear(x: torch.Tensor,                   # [M, K] bf16
                qweight: torch.Tensor,             # [N, K] fp8 e4m3fn, row-major
                weight_scale: torch.Tensor,        # [N] float32
                bias: torch.Tensor | None = None,  # [N], x's dtype
+               *, fast_accum: bool = True,
                ) -> torch.Tensor:                 # [M, N], x's dtype
     """W8A8 linear (the module docstring); see supports() for the shapes it takes."""
     n, k = qweight.shape
@@ -81,7 +94,8 @@ def fp8_linear(x: torch.Tensor,                   # [M, K] bf16
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} {x.dtype}, weight "
                          f"{tuple(qweight.shape)} {qweight.dtype}: see supports()")
     xq, xs = quantize_per_token(x)
-    return fp8_linear_prequantized(xq, xs, qweight, weight_scale, bias, x.dtype)
+    return fp8_linear_prequantized(xq, xs, qweight, weight_scale, bias, x.dtype,
+                                   fast_accum=fast_accum)
 
 
 def fp8_linear_prequantized(xq: torch.Tensor,                 # [M, K] fp8 e4m3fn
@@ -90,10 +104,11 @@ def fp8_linear_prequantized(xq: torch.Tensor,                 # [M, K] fp8 e4m3f
                             weight_scale: torch.Tensor,       # [N] float32
                             bias: torch.Tensor | None,        # [N], out_dtype
                             out_dtype: torch.dtype = torch.bfloat16,
+                            *, fast_accum: bool = True,
                             ) -> torch.Tensor:                # [M, N] out_dtype
     """fp8_linear's GEMM on activations already quantized per token (by the kernel before it:
-    kernels.norm_act.rms_norm_fp8, silu_and_mul_fp8)."""
+    kernels.norm_act.rms_norm_fp8, silu_and_mul_fp8). `fast_accum`: the module docstring."""
     n = qweight.shape[0]
     out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=weight_scale.view(1, n),
-                           out_dtype=out_dtype)
+                           out_dtype=out_dtype, use_fast_accum=fast_accum)
     return out if bias is None else out.add_(bias)

@@ -76,14 +76,16 @@ def test_quantize_per_token(device: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [2, 17, 256, 1000])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-def test_scaled_mm_linear(m: int, n: int, k: int, check_rel) -> None:
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_scaled_mm_linear(m: int, n: int, k: int, fast_accum: bool, check_rel) -> None:
     """torch._scaled_mm with row-wise scales = the float32 product of the same fp8 values
-    (only the summation order and the bf16 output rounding differ)."""
+    (only the summation order, the accumulators' precision and the bf16 output rounding
+    differ), with the tensor cores' accumulation over all of K (fast_accum) or promoted."""
     q, scale = _fp8_weight(n, k, "cuda")
     x = torch.randn(m, k, device="cuda", dtype=BF16)
     bias = torch.randn(n, device="cuda", dtype=BF16)
     assert fp8_linear.supports(x, q)
-    out = fp8_linear.fp8_linear(x, q, scale, bias)
+    out = fp8_linear.fp8_linear(x, q, scale, bias, fast_accum=fast_accum)
     assert out.shape == (m, n) and out.dtype == BF16
     check_rel(out.float(), torch_ops.fp8_linear(x.float(), q, scale, bias).float(), 6e-3)
     # Against the bf16 product of the unquantized activations: what per-token quantization

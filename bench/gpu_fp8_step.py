@@ -1,0 +1,223 @@
+"""The fp8 decode step above batch 1 on the H200 (issue 19): what torch._scaled_mm's fast
+accumulation buys, where the batch-256 step (T4) spends its time, and decode attention's split
+count at T4's shape.
+
+  gemm    torch._scaled_mm (row-wise scales) on the four llama-3-8b projections at M = 256, 1024
+          and 8192, use_fast_accum off and on: time (CUDA-graph replays over weight copies that
+          rotate past the L2), TFLOP/s, and each one's relative error against float32
+          arithmetic on the same fp8 values (beside the bf16 output's rounding alone)
+  attn    decode attention on an fp8 pool at T4's shape (batch 256, contexts 512..768): the
+          launch DecodeConfig.for_batch / default_num_splits choose (one split) beside 2 and 4
+          splits with the fused merge, 128- and 64-token tiles
+  engine  the engine's batch-256 step (llama-3-8b, fp8 weights + fp8 KV, context ~640; bench/
+          gpu_profile.py's profile_batch: graph replay and its kernels by kind), fresh engines:
+          fast accumulation off, on, and on with attn's best split count where that beat the
+          default by more than 2%
+
+    PYTHONPATH=. python3 bench/gpu_fp8_step.py --out step.json [--parts gemm,attn,engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from kernels import decode_attention, fp8_linear
+from kernels.decode_attention import DecodeConfig, default_num_splits
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_fp8 import PROJECTIONS, Fp8DecodeCase, matmul_rates  # noqa: E402
+from gpu_kernels import KVH, D, H, copy_bandwidth  # noqa: E402
+
+BF16 = torch.bfloat16
+L2_DEFEAT_BYTES = 256 << 20   # weight bytes a GEMM timing rotates over (the H200's L2: 60 MB)
+T4_BATCH, T4_CONTEXT = 256, 640
+
+
+def _graphed_rotating_ms(fns: list) -> float:
+    """GPU time of one call: the calls (one per weight copy) captured back to back in a graph."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return do_bench(graph.replay, warmup=5, rep=60, return_mode="median") / len(fns)
+
+
+def gemm(copy_tb_s: float) -> list[dict]:
+    rows = []
+    for m in (256, 1024, 8192):
+        for name, (n, k) in PROJECTIONS.items():
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            xq, xs = fp8_linear.quantize_per_token(x)
+            q, s = torch_quantized(n, k)
+            copies = [q] + [q.clone() for _ in range(max(0, min(7, math.ceil(
+                L2_DEFEAT_BYTES / (n * k)) - 1)))]
+            ref = (xq.float() * xs) @ (q.float() * s[:, None]).t()
+            row = {"proj": name, "m": m, "n": n, "k": k,
+                   "bf16_rounding_rel_err": _rel(ref.to(BF16).float(), ref)}
+            for fast in (False, True):
+                key = "fast" if fast else "promoted"
+                ms = _graphed_rotating_ms([functools.partial(
+                    fp8_linear.fp8_linear_prequantized, xq, xs, w, s, None, BF16,
+                    fast_accum=fast) for w in copies])
+                row[f"{key}_us"] = ms * 1e3
+                row[f"{key}_tflops"] = 2 * m * n * k / (ms * 1e-3) / 1e12
+                out = fp8_linear.fp8_linear_prequantized(xq, xs, q, s, None, BF16,
+                                                         fast_accum=fast)
+                row[f"{key}_rel_err"] = _rel(out.float(), ref)
+            row["speedup"] = row["promoted_us"] / row["fast_us"]
+            rows.append(row)
+            print(f"gemm {name:>8} M={m:<5} promoted {row['promoted_us']:8.1f} us "
+                  f"({row['promoted_tflops']:5.0f} TFLOP/s, err {row['promoted_rel_err']:.2e})"
+                  f"  fast {row['fast_us']:8.1f} us ({row['fast_tflops']:5.0f}, err "
+                  f"{row['fast_rel_err']:.2e})  x{row['speedup']:.3f}  bf16 rounding "
+                  f"{row['bf16_rounding_rel_err']:.2e}", flush=True)
+            del x, xq, copies, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
+def torch_quantized(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from common.models.fp8 import quantize_weight
+    w = quantize_weight((torch.randn(n, k, device="cuda") * k ** -0.5).to(BF16))
+    return w.qweight, w.scale
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def attn(copy_tb_s: float) -> list[dict]:
+    dev = torch.device("cuda")
+    case = Fp8DecodeCase(T4_BATCH, 768)
+    gen = torch.Generator().manual_seed(4)
+    lens = torch.randint(512, 769, (T4_BATCH,), generator=gen, dtype=torch.int32)
+    case.seq_lens.copy_(lens)
+    case.bytes = int(lens.sum()) * KVH * D * 2 + 2 * T4_BATCH * H * D * 2
+    base = DecodeConfig.for_batch(T4_BATCH, KVH, dev, fp8=True)
+    default_splits = default_num_splits(T4_BATCH, KVH, 2048, dev, base)
+    rows = []
+    for block_n in (128, 64):
+        for splits in (1, 2, 4):
+            cfg = dataclasses.replace(base, block_n=block_n, fused_merge=True)
+            t = case.time(splits, cfg, reps=3, eager=False)
+            row = {"block_n": block_n, "splits": splits, "us": t["us"],
+                   "spread_us": t["spread_us"], "frac_copy": t["tb_s"] / copy_tb_s,
+                   "default": block_n == base.block_n and splits == default_splits}
+            rows.append(row)
+            print(f"attn fp8 B={T4_BATCH} ctx 512..768: {block_n}-token tiles, {splits} "
+                  f"split(s){' (default)' if row['default'] else ''}: {t['us']:7.1f} us "
+                  f"(+-{t['spread_us']:.1f}), {row['frac_copy']:.2f} of copy", flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def patched(fast: bool, splits256: int | None, block_n256: int | None):
+    """The engine built inside captures its graphs with these: fast accumulation on or off, and
+    at batch 256 the split count and tile given (None: the launcher's own choice)."""
+    orig_mm, orig_splits = fp8_linear.fp8_linear_prequantized, decode_attention.default_num_splits
+    orig_for_batch = DecodeConfig.for_batch.__func__
+
+    def splits(batch, kv_heads, max_context, device, config):
+        if batch == T4_BATCH and splits256 is not None:
+            return splits256
+        return orig_splits(batch, kv_heads, max_context, device, config)
+
+    def for_batch(cls, batch, kv_heads, device, fp8=False):
+        cfg = orig_for_batch(cls, batch, kv_heads, device, fp8)
+        if batch == T4_BATCH and block_n256 is not None:
+            cfg = dataclasses.replace(cfg, block_n=block_n256, fused_merge=True)
+        return cfg
+
+    fp8_linear.fp8_linear_prequantized = functools.partial(orig_mm, fast_accum=fast)
+    decode_attention.default_num_splits = splits
+    DecodeConfig.for_batch = classmethod(for_batch)
+    try:
+        yield
+    finally:
+        fp8_linear.fp8_linear_prequantized = orig_mm
+        decode_attention.default_num_splits = orig_splits
+        DecodeConfig.for_batch = classmethod(orig_for_batch)
+
+
+def engine(attn_rows: list[dict] | dict | None) -> list[dict]:
+    from gpu_profile import profile_batch
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.flags import build
+
+    variants = [("promoted", False, None, None), ("fast", True, None, None)]
+    if isinstance(attn_rows, list) and attn_rows:
+        best = min(attn_rows, key=lambda r: r["us"])
+        default = next((r for r in attn_rows if r["default"]), None)
+        if default and best["us"] < 0.98 * default["us"]:
+            variants.append((f"fast, {best['splits']} split(s) x {best['block_n']}", True,
+                             best["splits"], best["block_n"]))
+    results = []
+    for label, fast, splits256, block_n256 in variants:
+        with patched(fast, splits256, block_n256):
+            eng = LLMEngine(build(EngineConfig, model="dummy:llama-3-8b", dtype="bfloat16",
+                                  device="cuda", num_kv_blocks=14000, max_num_seqs=T4_BATCH,
+                                  max_num_batched_tokens=8192, max_model_len=2048,
+                                  quantization="fp8", kv_cache_dtype="fp8"))
+            r = profile_batch(eng, T4_BATCH, T4_CONTEXT, 10)
+        r["variant"] = label
+        results.append(r)
+        st = r.get("engine_steps") or {}
+        print(f"engine batch {T4_BATCH} [{label}]: replay {r['replay_us']:.0f} us, kernels "
+              f"{r['kernel_us_sum']:.0f} us in {r['kernels_per_step']:.0f} launches; engine "
+              f"step wall {st.get('wall_us', float('nan')):.0f} us", flush=True)
+        for kind, us in sorted(r["kernel_us_by_kind"].items(), key=lambda kv: -kv[1]):
+            print(f"    {kind:14s} {us:8.1f} us")
+        for kname, us in r["top_kernels_us"].items():
+            print(f"    {us:8.1f} us  {kname}")
+        del eng
+        torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", default="gemm,attn,engine",
+                    help="comma-separated: gemm, attn, engine (engine uses attn's result)")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    t0 = time.monotonic()
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "copy": copy_bandwidth(), "matmul": matmul_rates()}
+    copy_tb_s = result["copy"]["tb_s"]
+    print(f"copy {copy_tb_s:.2f} TB/s; matmul bf16 {result['matmul']['bf16_tflops']:.0f}, "
+          f"fp8 (promoted) {result['matmul']['fp8_tflops']:.0f} TFLOP/s", flush=True)
+    for name, fn in (("gemm", gemm), ("attn", attn),
+                     ("engine", lambda _: engine(result.get("attn")))):
+        if name not in parts:
+            continue
+        try:
+            result[name] = fn(copy_tb_s)
+        except Exception as e:  # the other parts' numbers still count
+            import traceback
+            traceback.print_exc()
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        args.out.write_text(json.dumps(result, indent=1))
+    result["seconds"] = time.monotonic() - t0
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"done in {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
