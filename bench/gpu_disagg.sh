@@ -22,7 +22,8 @@
 # case runs once per level; figures are read from the info run (debug logging puts ~0.35 ms on
 # the handoff's critical path), the critical path's breakdown (the decode's "critical path"
 # lines: each moment in ms after the prefill's first token) from the debug run. TESTS=1 runs
-# the GPU tests of the handoff's transports and sums first. EXTRA_FLAGS: more flags for the
+# the GPU tests of the handoff's transports and sums first. HANDOFFS: 512-token handoffs per
+# case (default 8). EXTRA_FLAGS: more flags for the
 # prefill and decode services; AB_FLAGS: an A/B in the same call, each log level's case run
 # again with EXTRA_FLAGS + AB_FLAGS right after it (named *_b).
 set -uo pipefail
@@ -63,13 +64,14 @@ run_case() {  # name, prefill device, decode device, log level[, more flags]
     rm -rf /tmp/stack-latency-*
     timeout 280 python3 bench/stack_latency.py --model "dummy:$SHAPE" --vocab 128000 \
         --prefill-device "$2" --decode-device "$3" --local-device "$3" \
-        --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests 8 --load-streams 16 \
+        --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests "${HANDOFFS:-8}" --load-streams 16 \
         --engine-flags="$FLAGS ${5:-}--log-level $4" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
     rc=$?
     tail -9 "/tmp/disagg_$1.log"
-    if [ "$4" = debug ]; then
-        grep -h "critical path" "$(ls -d /tmp/stack-latency-* | head -1)/decode.log" | tail -12 \
-            | sed 's/.*DEBUG //'
+    if [ "$4" = debug ]; then  # every handoff's line to $OUT, the last 12 here
+        grep -h "critical path" "$(ls -d /tmp/stack-latency-* | head -1)/decode.log" \
+            | sed 's/.*DEBUG //' > "$OUT/critical_$1.txt"
+        tail -12 "$OUT/critical_$1.txt"
     fi
     if [ $rc -ne 0 ]; then
         echo "-- rc $rc; service logs:"
