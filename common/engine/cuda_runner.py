@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.engine.config import EngineConfig
@@ -80,16 +81,20 @@ def make_runner(model: torch.nn.Module, model_config: ModelConfig, config: Engin
 
 
 class _Staged:
-    """A persistent device buffer and its (pinned, on CUDA) host twin, same shape."""
+    """A persistent device buffer and its (pinned, on CUDA) host twin, same shape. The host
+    twin is written through a numpy view of its memory: a list goes in without a tensor made of
+    it (a step writes nine of them on the engine thread, between other threads' turns at the
+    GIL)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         pin = device.type == "cuda"
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.host_np = self.host.numpy()
         self.dev = torch.zeros(shape, dtype=dtype, device=device)
 
     def put(self, values: list[int], n: int | None = None) -> torch.Tensor:
         """Write values to host[:len], copy host[:n] (default len) up; the device view [:n]."""
-        self.host[:len(values)] = torch.tensor(values, dtype=self.host.dtype)
+        self.host_np[:len(values)] = values
         n = len(values) if n is None else n
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         return self.dev[:n]
@@ -192,8 +197,8 @@ class CudaGraphRunner(ModelRunner):
         # Whole rows go up (one contiguous copy). Entries past `width`, and the padding rows,
         # are stale but valid block ids, and the kernels read no token past seq_lens, so they
         # are never used.
-        self.block_tables.host[:n, :width] = torch.tensor(step.block_tables,
-                                                          dtype=torch.int32).view(n, width)
+        self.block_tables.host_np[:n, :width] = np.asarray(
+            step.block_tables, dtype=np.int32).reshape(n, width)
         self.block_tables.dev[:rows].copy_(self.block_tables.host[:rows], non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.put(step.slot_mapping),
