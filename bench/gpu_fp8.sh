@@ -10,8 +10,9 @@
 #             attention on an fp8 pool vs bf16
 #   dsweep    bench/gpu_fp8.py --sweep decode: the fp8-pool decode kernel's launch parameters
 #   mmtests   the GPU tests of the fp8 GEMM above batch 1 (_scaled_mm, norm / activation first)
-#   step      bench/gpu_fp8_step.py: _scaled_mm's fast accumulation off and on (time, error),
-#             decode attention's split count at T4's shape, the engine's batch-256 step profiled
+#   step      bench/gpu_fp8_step.py --promoted: _scaled_mm's fast accumulation off and on (time,
+#             error), decode attention's split count and tile at T4's shape, the engine's
+#             batch-256 step profiled without and with fast accumulation
 #   gemv      bench/gpu_fp8.py --sweep gemv --engine: the batch-1 fp8 GEMVs' launch parameters
 #             and reductions (weights rotating over > L2), then the engine's batch-1 fp8 step
 #             profiled with the default configs and with the sweep's best
@@ -54,7 +55,7 @@ for part in $PARTS; do
     mmtests) timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
             tests/kernels/test_fp8_kernels.py -k "scaled_mm or many_rows or quantize" 2>&1 \
             | tee "$OUT/fp8_mmtests.log" ;;
-    step) timeout 240 python3 bench/gpu_fp8_step.py --out "$OUT/fp8_step.json" 2>&1 \
+    step) timeout 240 python3 bench/gpu_fp8_step.py --promoted --out "$OUT/fp8_step.json" 2>&1 \
             | tee "$OUT/fp8_step.log" ;;
     gemv) timeout 240 python3 bench/gpu_fp8.py --sweep gemv --engine \
             --out "$OUT/fp8_gemv.json" 2>&1 | tee "$OUT/fp8_gemv.log" ;;

@@ -1,20 +1,20 @@
 """The fp8 decode step above batch 1 on the H200 (issue 19): what torch._scaled_mm's fast
 accumulation buys, where the batch-256 step (T4) spends its time, and decode attention's split
-count at T4's shape.
+count and tile at T4's shape.
 
   gemm    torch._scaled_mm (row-wise scales) on the four llama-3-8b projections at M = 256, 1024
           and 8192, use_fast_accum off and on: time (CUDA-graph replays over weight copies that
           rotate past the L2), TFLOP/s, and each one's relative error against float32
           arithmetic on the same fp8 values (beside the bf16 output's rounding alone)
-  attn    decode attention on an fp8 pool at T4's shape (batch 256, contexts 512..768): the
-          launch DecodeConfig.for_batch / default_num_splits choose (one split) beside 2 and 4
-          splits with the fused merge, 128- and 64-token tiles
+  attn    decode attention at T4's shape (batch 256, contexts 512..768): on an fp8 pool the
+          launch DecodeConfig.for_batch / default_num_splits choose (128-token tiles, one
+          split) beside 64-token tiles and 2 or 4 splits with the fused merge; on a bf16 pool
+          its default launch
   engine  the engine's batch-256 step (llama-3-8b, fp8 weights + fp8 KV, context ~640; bench/
-          gpu_profile.py's profile_batch: graph replay and its kernels by kind), fresh engines:
-          fast accumulation off, on, and on with attn's best split count where that beat the
-          default by more than 2%
+          gpu_profile.py's profile_batch: graph replay and its kernels by kind), fresh engines,
+          with fast accumulation and (--promoted, first) without
 
-    PYTHONPATH=. python3 bench/gpu_fp8_step.py --out step.json [--parts gemm,attn,engine]
+    PYTHONPATH=. python3 bench/gpu_fp8_step.py --out step.json [--parts gemm,attn] [--promoted]
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from kernels import decode_attention, fp8_linear
+from kernels import fp8_linear
 from kernels.decode_attention import DecodeConfig, default_num_splits
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_fp8 import PROJECTIONS, Fp8DecodeCase, matmul_rates  # noqa: E402
-from gpu_kernels import KVH, D, H, copy_bandwidth  # noqa: E402
+from gpu_kernels import KVH, D, DecodeCase, H, copy_bandwidth  # noqa: E402
 
 BF16 = torch.bfloat16
 L2_DEFEAT_BYTES = 256 << 20   # weight bytes a GEMM timing rotates over (the H200's L2: 60 MB)
@@ -100,76 +100,65 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
+def _attn_case(batch: int, ctx: int | None, fp8: bool) -> DecodeCase:
+    """Pools and rotating tables of `batch` sequences: of `ctx` tokens each, or (None) of T4's
+    contexts, 512..768 drawn at random."""
+    case = (Fp8DecodeCase if fp8 else DecodeCase)(batch, ctx or 768)
+    if ctx is None:
+        gen = torch.Generator().manual_seed(4)
+        lens = torch.randint(512, 769, (batch,), generator=gen, dtype=torch.int32)
+        case.seq_lens.copy_(lens)
+        case.bytes = int(lens.sum()) * KVH * D * 2 * (1 if fp8 else 2) + 2 * batch * H * D * 2
+    return case
+
+
 def attn(copy_tb_s: float) -> list[dict]:
     dev = torch.device("cuda")
-    case = Fp8DecodeCase(T4_BATCH, 768)
-    gen = torch.Generator().manual_seed(4)
-    lens = torch.randint(512, 769, (T4_BATCH,), generator=gen, dtype=torch.int32)
-    case.seq_lens.copy_(lens)
-    case.bytes = int(lens.sum()) * KVH * D * 2 + 2 * T4_BATCH * H * D * 2
-    base = DecodeConfig.for_batch(T4_BATCH, KVH, dev, fp8=True)
-    default_splits = default_num_splits(T4_BATCH, KVH, 2048, dev, base)
     rows = []
-    for block_n in (128, 64):
-        for splits in (1, 2, 4):
-            cfg = dataclasses.replace(base, block_n=block_n, fused_merge=True)
-            t = case.time(splits, cfg, reps=3, eager=False)
-            row = {"block_n": block_n, "splits": splits, "us": t["us"],
-                   "spread_us": t["spread_us"], "frac_copy": t["tb_s"] / copy_tb_s,
-                   "default": block_n == base.block_n and splits == default_splits}
+    for fp8 in (True, False):
+        case = _attn_case(T4_BATCH, None, fp8)
+        base = DecodeConfig.for_batch(T4_BATCH, KVH, dev, fp8=fp8)
+        splits = default_num_splits(T4_BATCH, KVH, 2048, dev, base)
+        variants = [(base, splits)]
+        if fp8:
+            variants += [(dataclasses.replace(base, block_n=bn, fused_merge=True), n)
+                         for bn in (128, 64) for n in (1, 2, 4) if (bn, n) != (base.block_n, 1)]
+        for cfg, n in variants:
+            t = case.time(n, cfg, reps=3, eager=False)
+            row = {"pool": "fp8" if fp8 else "bf16", "block_n": cfg.block_n, "splits": n,
+                   "default": (cfg, n) == (base, splits), "us": t["us"],
+                   "spread_us": t["spread_us"], "frac_copy": t["tb_s"] / copy_tb_s}
             rows.append(row)
-            print(f"attn fp8 B={T4_BATCH} ctx 512..768: {block_n}-token tiles, {splits} "
+            print(f"attn {row['pool']} B={T4_BATCH} ctx 512..768: {cfg.block_n}-token tiles, {n} "
                   f"split(s){' (default)' if row['default'] else ''}: {t['us']:7.1f} us "
                   f"(+-{t['spread_us']:.1f}), {row['frac_copy']:.2f} of copy", flush=True)
+        del case
+        torch.cuda.empty_cache()
     return rows
 
 
 @contextlib.contextmanager
-def patched(fast: bool, splits256: int | None, block_n256: int | None):
-    """The engine built inside captures its graphs with these: fast accumulation on or off, and
-    at batch 256 the split count and tile given (None: the launcher's own choice)."""
-    orig_mm, orig_splits = fp8_linear.fp8_linear_prequantized, decode_attention.default_num_splits
-    orig_for_batch = DecodeConfig.for_batch.__func__
-
-    def splits(batch, kv_heads, max_context, device, config):
-        if batch == T4_BATCH and splits256 is not None:
-            return splits256
-        return orig_splits(batch, kv_heads, max_context, device, config)
-
-    def for_batch(cls, batch, kv_heads, device, fp8=False):
-        cfg = orig_for_batch(cls, batch, kv_heads, device, fp8)
-        if batch == T4_BATCH and block_n256 is not None:
-            cfg = dataclasses.replace(cfg, block_n=block_n256, fused_merge=True)
-        return cfg
-
-    fp8_linear.fp8_linear_prequantized = functools.partial(orig_mm, fast_accum=fast)
-    decode_attention.default_num_splits = splits
-    DecodeConfig.for_batch = classmethod(for_batch)
+def fast_accumulation(fast: bool):
+    """The engine built inside captures its graphs with fast accumulation on or off."""
+    orig = fp8_linear.fp8_linear_prequantized
+    fp8_linear.fp8_linear_prequantized = functools.partial(orig, fast_accum=fast)
     try:
         yield
     finally:
-        fp8_linear.fp8_linear_prequantized = orig_mm
-        decode_attention.default_num_splits = orig_splits
-        DecodeConfig.for_batch = classmethod(orig_for_batch)
+        fp8_linear.fp8_linear_prequantized = orig
 
 
-def engine(attn_rows: list[dict] | dict | None) -> list[dict]:
+def engine(with_promoted: bool) -> list[dict]:
     from gpu_profile import profile_batch
 
     from common.engine.config import EngineConfig
     from common.engine.engine import LLMEngine
     from common.flags import build
 
-    variants = [("promoted", False, None, None), ("fast", True, None, None)]
-    if isinstance(attn_rows, list) and attn_rows:
-        best = min(attn_rows, key=lambda r: r["us"])
-        default = next((r for r in attn_rows if r["default"]), None)
-        if default and best["us"] < 0.98 * default["us"]:
-            variants.append((f"fast, {best['splits']} split(s) x {best['block_n']}", True,
-                             best["splits"], best["block_n"]))
     results = []
-    for label, fast, splits256, block_n256 in variants:
-        with patched(fast, splits256, block_n256):
+    for fast in ([False] if with_promoted else []) + [True]:
+        label = "fast" if fast else "promoted"
+        with fast_accumulation(fast):
             eng = LLMEngine(build(EngineConfig, model="dummy:llama-3-8b", dtype="bfloat16",
                                   device="cuda", num_kv_blocks=14000, max_num_seqs=T4_BATCH,
                                   max_num_batched_tokens=8192, max_model_len=2048,
@@ -194,7 +183,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="gemm,attn,engine",
-                    help="comma-separated: gemm, attn, engine (engine uses attn's result)")
+                    help="comma-separated: gemm, attn, engine")
+    ap.add_argument("--promoted", action="store_true",
+                    help="engine: also the step without fast accumulation")
     args = ap.parse_args()
     parts = args.parts.split(",")
     t0 = time.monotonic()
@@ -204,7 +195,7 @@ def main() -> None:
     print(f"copy {copy_tb_s:.2f} TB/s; matmul bf16 {result['matmul']['bf16_tflops']:.0f}, "
           f"fp8 (promoted) {result['matmul']['fp8_tflops']:.0f} TFLOP/s", flush=True)
     for name, fn in (("gemm", gemm), ("attn", attn),
-                     ("engine", lambda _: engine(result.get("attn")))):
+                     ("engine", lambda _: engine(args.promoted))):
         if name not in parts:
             continue
         try:

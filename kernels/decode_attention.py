@@ -39,7 +39,12 @@ thread a tile (sm_90 SASS) yet run slower, their 194 registers leaving 2 program
 only reads K and V through the block tables, on the same grid, reaches 0.45-0.83 of copy at
 batch 32-256 and context 1k-4k; V stored transposed in each block (a variant, 230 registers)
 ran no faster. More bytes in flight a multiprocessor (fewer registers, more tokens a program)
-is the way toward 0.85, not fewer instructions.
+is the way toward 0.85, not fewer instructions. Tried and dropped (H200, 2026-12-03, bench/
+RESULTS.md "twelfth session, issue 19"): two kv heads a program, a tile's rows alternating
+between them so each token's rows of both come as one 256-byte run and their query heads fill
+the dots' padding rows: as fast at batch 256 (ctx 512-768: 152 against 149 us; 1k: 209 against
+208), 10% slower at batch 128 / 4k, slower still with tiles of twice the rows. The 128-byte
+rows of an fp8 pool are not what holds it at 0.54-0.63 of copy.
 """
 
 from __future__ import annotations

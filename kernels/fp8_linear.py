@@ -1,5 +1,5 @@
 """FP8 projections on Hopper: x quantized per token by a Triton kernel, then torch._scaled_mm with
-row-wise scales (on sm_90 a CUTLASS kernel inside torch), as vLLM's online fp8 does it:
+row-wise scales (cuBLASLt's nvjet kernels on sm_90 under torch 2.11), as vLLM's online fp8 does:
 
     xq[m], xs[m] = x[m] / (amax(|x[m]|) / 448) in e4m3fn, amax(|x[m]|) / 448   (one program a row)
     out[m, n]    = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n] (+ bias[n])      (_scaled_mm)
@@ -15,13 +15,13 @@ as fp8_linear_prequantized, with no quantization launch of its own (H200, M = 25
 
 `fast_accum` (the default): `use_fast_accum`, the sum over K kept in the tensor cores'
 accumulators (as vLLM's cutlass_scaled_mm does), where torch's default has cuBLASLt promote
-partial sums into a second float32 set. H200 (bench/RESULTS.md "twelfth session, issue 19"):
-M = 256 gate|up 58.2 -> 53.6 us, down 41.9 -> 38.7, qkv and o within 1%; M = 8192 1.04-1.17x
-(qkv 0.96x); the engine's batch-256 graph 9.97 -> 9.74 ms (same run), T1 14.3k tok/s
-(13.5k the session before). Against
-float32 arithmetic on the same fp8 values the error grows from 1.7e-3 rms relative (the bf16
-output's rounding) to 2.1e-3 at K = 4096 and 3.3e-3 at K = 14336, a tenth of what per-token
-W8A8 quantization itself costs (~3e-2).
+partial sums into a second float32 set. H200, two calls (bench/RESULTS.md "twelfth session,
+issue 19"): M = 256 gate|up 1.03-1.09x, down 1.02-1.08x, qkv and o within 1%; M = 8192 o
+1.15-1.17x, gate|up and down 1.02-1.10x, qkv 0.96-1.00x; the engine's batch-256 graph 2.4% and
+2.7% faster (9.97 -> 9.74 ms, 10.04 -> 9.77). Against float32 arithmetic on the same fp8
+values the error grows from 1.7e-3 rms relative (the bf16 output's rounding) to 2.1e-3 at
+K = 4096 and 3.3e-3 at K = 14336, a tenth of what per-token W8A8 quantization itself costs
+(~3e-2).
 
 Batch-1 projections do not come here: they stream the fp8 weight through the GEMVs
 (kernels.skinny_gemm, fused_gemv, fused_qkv with weight_scale), whose activations stay in the
