@@ -124,6 +124,7 @@ class _Early:
     failed: bool = False              # the thread could not queue it (queued says why)
     dropped: bool = False             # nobody will use it: it must not be queued any more
     event_unix_s: float = 0.0         # when the waiting thread saw the event (Taken.marks)
+    launching_unix_s: float = 0.0     # ... when it began to queue the copy (Taken.marks)
     queued_unix_s: float = 0.0        # when the copy was queued (Taken.marks)
 
     @property
@@ -428,6 +429,7 @@ class HandoffInbox:
                 with early.lock:
                     if early.dropped or slot.ended:
                         raise TransferError("the early copy was dropped")
+                    early.launching_unix_s = time.time()
                     with transfer_stream(pool):
                         copy = launch()
                     early.queued_unix_s = time.time()
@@ -595,6 +597,7 @@ class HandoffInbox:
         early = slot.early
         if early is not None and early.queued_unix_s:
             slot.marks["early event seen"] = early.event_unix_s
+            slot.marks["early copy launching"] = early.launching_unix_s
             slot.marks["early copy queued"] = early.queued_unix_s
         reason = self._take_early(slot, desc, blocks, deadline, span)
         return self._pull(desc, blocks, after, deadline, span) if reason is None else reason

@@ -74,11 +74,13 @@ def block_sums(pool: torch.Tensor,   # [layers, 2, num_blocks, block_size, kv_he
 def copy_block_sums(src: torch.Tensor,  # [layers, 2, num_blocks_src, block_size, kv_heads, head_dim]
                     dst: torch.Tensor,  # the same but num_blocks_dst; same dtype and device
                     ids: torch.Tensor,  # [2, n] int64 on the device: source ids, destination ids
+                    out: torch.Tensor | None = None,  # [n, 2] int64 zeros on the device, or None
                     ) -> torch.Tensor:  # [n, 2] int64: (s_j, q_j) of each copied block
     """Copy blocks src[:, :, ids[0, j]] -> dst[:, :, ids[1, j]] and return the sums block_sums
     would give of what was copied, in one pass: each word is read once, written once and summed
     from the register it was read into (a handoff's copy and its verification in one kernel).
-    Both pools contiguous; ids in range and destination ids distinct (not checked here)."""
+    Both pools contiguous; ids in range and destination ids distinct (not checked here). out:
+    where the sums go, zeroed by the caller (allocated ahead of a launch that must be quick)."""
     check_tensor("src", src, dim=6)
     check_tensor("dst", dst, dim=6, dtypes=(src.dtype,), device=src.device)
     if not (src.is_contiguous() and dst.is_contiguous()):
@@ -93,7 +95,11 @@ def copy_block_sums(src: torch.Tensor,  # [layers, 2, num_blocks_src, block_size
     s3 = src.view(torch.int32).view(layers * kv, src.shape[2], -1)
     d3 = dst.view(torch.int32).view(layers * kv, dst.shape[2], -1)
     inner, n = s3.shape[2], ids.shape[1]
-    sums = torch.zeros(n, 2, dtype=torch.int64, device=src.device)
+    if out is not None:
+        check_tensor("out", out, dim=2, dtypes=(torch.int64,), device=src.device)
+        if tuple(out.shape) != (n, 2):
+            raise ValueError(f"out must be [{n}, 2], got {tuple(out.shape)}")
+    sums = torch.zeros(n, 2, dtype=torch.int64, device=src.device) if out is None else out
     if n == 0:
         return sums
     chunks = cdiv(inner, CHUNK)

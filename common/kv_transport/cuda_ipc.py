@@ -105,11 +105,13 @@ def _upload_ids(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
     return to_device([list(src_ids), list(dst_ids)], torch.int64, src.device)
 
 
-def _launch_copy(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Queue copy_block_sums on the current stream: [n, 2] int64 sums on the device."""
+def _launch_copy(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Queue copy_block_sums on the current stream: [n, 2] int64 sums on the device (into out,
+    zeroed, when given)."""
     from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
     with torch.cuda.device(src.device):  # Triton launches on the current device
-        return copy_block_sums(src, dst, ids)
+        return copy_block_sums(src, dst, ids, out)
 
 
 def _copy_with_sums(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
@@ -161,8 +163,9 @@ class CudaIpcTransport(KVTransport):
     def prepare_copy(self, info: dict[str, Any], src_ids: list[int], dst_pool: torch.Tensor,
                      dst_ids: list[int]) -> Callable[[], tuple[torch.Tensor, torch.cuda.Event]]:
         """An early handoff's copy (decode_service/handoff.py), in two parts: now, the source
-        pool opened, the ids uploaded on the current stream (the caller's transfer stream) and
-        the pinned host buffer for the sums; the returned launch, called on the same stream
+        pool opened, the ids uploaded and the sums zeroed on the current stream (the caller's
+        transfer stream), the pinned host buffer and the event; the returned launch, called on
+        the same stream
         once the source's KV is written, queues copy_block_sums of src_ids into dst_ids, the
         sums' copy to the host buffer behind it and an event behind that, and returns (the host
         sums, the event), read once the event completes. One GPU, contiguous pools of one
@@ -176,11 +179,12 @@ class CudaIpcTransport(KVTransport):
                                                for b in src_ids):
             raise TransferError("early copy: block ids outside the pools")
         ids = _upload_ids(src, src_ids, dst_pool, dst_ids)
+        sums = torch.zeros((len(src_ids), 2), dtype=torch.int64, device=dst_pool.device)
         host = torch.empty((len(src_ids), 2), dtype=torch.int64, pin_memory=True)
+        done = torch.cuda.Event()
 
         def launch() -> tuple[torch.Tensor, torch.cuda.Event]:
-            host.copy_(_launch_copy(src, dst_pool, ids), non_blocking=True)
-            done = torch.cuda.Event()
+            host.copy_(_launch_copy(src, dst_pool, ids, sums), non_blocking=True)
             done.record()
             return host, done
 

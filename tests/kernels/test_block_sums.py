@@ -47,6 +47,10 @@ def test_copy_block_sums_copies_and_sums_what_it_copied(device: str, dtype: torc
     assert not dst[:, :, untouched].view(torch.uint8).any()
     assert torch.equal(got.cpu(), block_sums_torch(src.cpu(), ids[0].cpu()))
     assert torch.equal(got.cpu(), block_sums_torch(dst.cpu(), ids[1].cpu()))
+    out = torch.zeros(4, 2, dtype=torch.int64, device=device)  # sums allocated ahead
+    assert copy_block_sums(src, dst, ids, out) is out and torch.equal(out, got)
+    with pytest.raises(ValueError, match="out must be"):
+        copy_block_sums(src, dst, ids, out[:3])
 
 
 def test_block_sums_refuses_odd_pools():
