@@ -125,6 +125,7 @@ class _Early:
     dropped: bool = False             # nobody will use it: it must not be queued any more
     event_unix_s: float = 0.0         # when the waiting thread saw the event (Taken.marks)
     launching_unix_s: float = 0.0     # ... when it began to queue the copy (Taken.marks)
+    launch_marks: dict[str, float] = field(default_factory=dict)  # moments within (Taken.marks)
     queued_unix_s: float = 0.0        # when the copy was queued (Taken.marks)
 
     @property
@@ -431,7 +432,7 @@ class HandoffInbox:
                         raise TransferError("the early copy was dropped")
                     early.launching_unix_s = time.time()
                     with transfer_stream(pool):
-                        copy = launch()
+                        copy = launch(early.launch_marks)
                     early.queued_unix_s = time.time()
                     early.copy = copy  # last: the loop's thread reads it unlocked
                 then = (_resolve, early.queued, early.copy)
@@ -598,6 +599,7 @@ class HandoffInbox:
         if early is not None and early.queued_unix_s:
             slot.marks["early event seen"] = early.event_unix_s
             slot.marks["early copy launching"] = early.launching_unix_s
+            slot.marks.update(early.launch_marks)
             slot.marks["early copy queued"] = early.queued_unix_s
         reason = self._take_early(slot, desc, blocks, deadline, span)
         return self._pull(desc, blocks, after, deadline, span) if reason is None else reason

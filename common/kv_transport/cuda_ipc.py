@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -183,8 +184,12 @@ class CudaIpcTransport(KVTransport):
         host = torch.empty((len(src_ids), 2), dtype=torch.int64, pin_memory=True)
         done = torch.cuda.Event()
 
-        def launch() -> tuple[torch.Tensor, torch.cuda.Event]:
-            host.copy_(_launch_copy(src, dst_pool, ids, sums), non_blocking=True)
+        def launch(marks: dict[str, float] | None = None,
+                   ) -> tuple[torch.Tensor, torch.cuda.Event]:
+            launched = _launch_copy(src, dst_pool, ids, sums)
+            if marks is not None:  # the moments of a launch, for a debug breakdown
+                marks["early copy kernel launched"] = time.time()
+            host.copy_(launched, non_blocking=True)
             done.record()
             return host, done
 
