@@ -12,6 +12,8 @@ the result does not depend on the order and equals the reference bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -80,7 +82,19 @@ def copy_block_sums(src: torch.Tensor,  # [layers, 2, num_blocks_src, block_size
     would give of what was copied, in one pass: each word is read once, written once and summed
     from the register it was read into (a handoff's copy and its verification in one kernel).
     Both pools contiguous; ids in range and destination ids distinct (not checked here). out:
-    where the sums go, zeroed by the caller (allocated ahead of a launch that must be quick)."""
+    where the sums go, zeroed by the caller."""
+    if out is None:
+        out = torch.zeros(ids.shape[1] if ids.dim() == 2 else 0, 2, dtype=torch.int64,
+                          device=src.device)
+    return prepare_copy_block_sums(src, dst, ids, out)()
+
+
+def prepare_copy_block_sums(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor,
+                            out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """copy_block_sums in two parts: the checks and the pools' word views now; the returned
+    launch queues only the kernel on the current stream (out zeroed by the caller) and returns
+    out. For a launch that must be quick once its moment comes (an early handoff's copy,
+    decode_service/handoff.py); the tensors must outlive it."""
     check_tensor("src", src, dim=6)
     check_tensor("dst", dst, dim=6, dtypes=(src.dtype,), device=src.device)
     if not (src.is_contiguous() and dst.is_contiguous()):
@@ -95,15 +109,17 @@ def copy_block_sums(src: torch.Tensor,  # [layers, 2, num_blocks_src, block_size
     s3 = src.view(torch.int32).view(layers * kv, src.shape[2], -1)
     d3 = dst.view(torch.int32).view(layers * kv, dst.shape[2], -1)
     inner, n = s3.shape[2], ids.shape[1]
-    if out is not None:
-        check_tensor("out", out, dim=2, dtypes=(torch.int64,), device=src.device)
-        if tuple(out.shape) != (n, 2):
-            raise ValueError(f"out must be [{n}, 2], got {tuple(out.shape)}")
-    sums = torch.zeros(n, 2, dtype=torch.int64, device=src.device) if out is None else out
-    if n == 0:
-        return sums
+    check_tensor("out", out, dim=2, dtypes=(torch.int64,), device=src.device)
+    if tuple(out.shape) != (n, 2):
+        raise ValueError(f"out must be [{n}, 2], got {tuple(out.shape)}")
     chunks = cdiv(inner, CHUNK)
-    _block_sums_kernel[(n * chunks, layers * kv)](
-        s3, d3, ids, sums, n, s3.stride(0), s3.stride(1), d3.stride(0), d3.stride(1),
-        INNER=inner, CHUNKS=chunks, CHUNK=CHUNK, COPY=True, num_warps=4)
-    return sums
+    grid = (n * chunks, layers * kv)
+    strides = (s3.stride(0), s3.stride(1), d3.stride(0), d3.stride(1))
+
+    def launch() -> torch.Tensor:
+        if n:
+            _block_sums_kernel[grid](s3, d3, ids, out, n, *strides, INNER=inner, CHUNKS=chunks,
+                                     CHUNK=CHUNK, COPY=True, num_warps=4)
+        return out
+
+    return launch

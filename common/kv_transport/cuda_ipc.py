@@ -106,20 +106,14 @@ def _upload_ids(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
     return to_device([list(src_ids), list(dst_ids)], torch.int64, src.device)
 
 
-def _launch_copy(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Queue copy_block_sums on the current stream: [n, 2] int64 sums on the device (into out,
-    zeroed, when given)."""
-    from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
-    with torch.cuda.device(src.device):  # Triton launches on the current device
-        return copy_block_sums(src, dst, ids, out)
-
-
 def _copy_with_sums(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
                     dst_ids: list[int]) -> torch.Tensor:
     """Queue copy_block_sums on the current stream: [n, 2] int64 sums on the device.
     TransferError for destination ids outside dst."""
-    return _launch_copy(src, dst, _upload_ids(src, src_ids, dst, dst_ids))
+    from kernels.block_sums import copy_block_sums  # CPU-only processes never load Triton
+    ids = _upload_ids(src, src_ids, dst, dst_ids)
+    with torch.cuda.device(src.device):  # Triton launches on the current device
+        return copy_block_sums(src, dst, ids)
 
 
 class CudaIpcTransport(KVTransport):
@@ -179,17 +173,20 @@ class CudaIpcTransport(KVTransport):
         if len(src_ids) != len(dst_ids) or any(not 0 <= b < src.shape[BLOCK_AXIS]
                                                for b in src_ids):
             raise TransferError("early copy: block ids outside the pools")
+        from kernels.block_sums import prepare_copy_block_sums  # CPU-only: never loaded
         ids = _upload_ids(src, src_ids, dst_pool, dst_ids)
         sums = torch.zeros((len(src_ids), 2), dtype=torch.int64, device=dst_pool.device)
         host = torch.empty((len(src_ids), 2), dtype=torch.int64, pin_memory=True)
         done = torch.cuda.Event()
+        kernel = prepare_copy_block_sums(src, dst_pool, ids, sums)
 
         def launch(marks: dict[str, float] | None = None,
                    ) -> tuple[torch.Tensor, torch.cuda.Event]:
-            launched = _launch_copy(src, dst_pool, ids, sums)
+            with torch.cuda.device(src.device):  # Triton launches on the current device
+                kernel()
             if marks is not None:  # the moments of a launch, for a debug breakdown
                 marks["early copy kernel launched"] = time.time()
-            host.copy_(launched, non_blocking=True)
+            host.copy_(sums, non_blocking=True)
             done.record()
             return host, done
 

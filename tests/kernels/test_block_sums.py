@@ -7,7 +7,7 @@ import torch
 
 from common.kv_transport.checksum import block_sums_torch, kv_checksum
 from kernels import block_sums_cpu
-from kernels.block_sums import block_sums, copy_block_sums
+from kernels.block_sums import block_sums, copy_block_sums, prepare_copy_block_sums
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -48,9 +48,11 @@ def test_copy_block_sums_copies_and_sums_what_it_copied(device: str, dtype: torc
     assert torch.equal(got.cpu(), block_sums_torch(src.cpu(), ids[0].cpu()))
     assert torch.equal(got.cpu(), block_sums_torch(dst.cpu(), ids[1].cpu()))
     out = torch.zeros(4, 2, dtype=torch.int64, device=device)  # sums allocated ahead
-    assert copy_block_sums(src, dst, ids, out) is out and torch.equal(out, got)
+    launch = prepare_copy_block_sums(src, dst, ids, out)  # checked now, launched later
+    assert not out.any()
+    assert launch() is out and torch.equal(out, got)
     with pytest.raises(ValueError, match="out must be"):
-        copy_block_sums(src, dst, ids, out[:3])
+        prepare_copy_block_sums(src, dst, ids, out[:3])
 
 
 def test_block_sums_refuses_odd_pools():
