@@ -159,12 +159,12 @@ class CudaIpcTransport(KVTransport):
                      dst_ids: list[int]) -> Callable[[], tuple[torch.Tensor, torch.cuda.Event]]:
         """An early handoff's copy (decode_service/handoff.py), in two parts: now, the source
         pool opened, the ids uploaded and the sums zeroed on the current stream (the caller's
-        transfer stream), the pinned host buffer and the event; the returned launch, called on
-        the same stream
-        once the source's KV is written, queues copy_block_sums of src_ids into dst_ids, the
-        sums' copy to the host buffer behind it and an event behind that, and returns (the host
-        sums, the event), read once the event completes. One GPU, contiguous pools of one
-        dtype; TransferError otherwise or for ids outside either pool. Any thread."""
+        transfer stream), the pinned host buffer, the event and the kernel's checks; the
+        returned launch, called on the same stream once the source's KV is written, queues
+        copy_block_sums of src_ids into dst_ids, the sums' copy to the host buffer behind it
+        and the event behind that, and returns (the host sums, the event), read once the event
+        completes (marks: gets the moment the kernel was launched). One GPU, contiguous pools
+        of one dtype; TransferError otherwise or for ids outside either pool. Any thread."""
         src = self._source(info)
         if (not _one_gpu(src, dst_pool) or src.shape[:2] != dst_pool.shape[:2]
                 or src.shape[3:] != dst_pool.shape[3:]):
