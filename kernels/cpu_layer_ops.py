@@ -128,8 +128,8 @@ def packed_linear(x: torch.Tensor,   # [M, K] float32, rows dense
                   wp: torch.Tensor,  # [ceil(N / 64), KP >= K, 64] float32: w [N, K] packed
                   n: int,
                   ) -> torch.Tensor:  # [M, N] float32
-    """x @ w.T from w held as oneDNN packs a float32 weight for 64 rows (see the .cpp): 16
-    columns of a block a task, six rows at a time, so the weights are read from memory once."""
+    """x @ w.T from w held as oneDNN packs a float32 weight for 64 rows (see the .cpp): a block
+    of 64 columns a task, its rows one at a time, so the weights are read from memory once."""
     return torch.ops.splitserve_cpu_layer.packed_linear(x, wp, n)
 
 
