@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import cpu_tag, load
+from kernels.cpu_build import cpu_tag, load, vector_move_flags
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ def available() -> bool:
     if os.name != "posix" or not SOURCE.is_file():
         return False
     try:
-        load(f"splitserve_cpu_attention_{cpu_tag()}", SOURCE, ["-O3", "-march=native", "-fopenmp"])
+        load(f"splitserve_cpu_attention_{cpu_tag()}", SOURCE,
+             ["-O3", "-march=native", "-fopenmp", *vector_move_flags()])
         return _self_check()
     except (OSError, RuntimeError, ImportError, AssertionError) as e:
         log.warning("the CPU decode attention kernel is not available (%s): decodes gather "

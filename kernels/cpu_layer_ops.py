@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kernels import torch_ops
-from kernels.cpu_build import cpu_tag, load
+from kernels.cpu_build import cpu_tag, load, vector_move_flags
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def available() -> bool:
         return False
     try:
         load(f"splitserve_cpu_layer_{cpu_tag()}", SOURCE,
-             ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+             ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *vector_move_flags()])
         return _self_check()
     except (OSError, RuntimeError, ImportError, AssertionError) as e:
         log.warning("the CPU layer ops are not available (%s): the torch ops run instead",
