@@ -123,10 +123,9 @@ class _Early:
     copy: tuple[torch.Tensor, torch.cuda.Event] | None = None  # set once, under lock
     failed: bool = False              # the thread could not queue it (queued says why)
     dropped: bool = False             # nobody will use it: it must not be queued any more
-    event_unix_s: float = 0.0         # when the waiting thread saw the event (Taken.marks)
-    launching_unix_s: float = 0.0     # ... when it began to queue the copy (Taken.marks)
-    launch_marks: dict[str, float] = field(default_factory=dict)  # moments within (Taken.marks)
-    queued_unix_s: float = 0.0        # when the copy was queued (Taken.marks)
+    # The thread's moments (time.time(), by name: event seen, launching, kernel launched,
+    # queued), for Taken.marks once the copy is used.
+    marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def block_ids(self) -> list[int]:  # the source's blocks
@@ -426,14 +425,14 @@ class HandoffInbox:
                 with transfer_stream(pool, after):
                     launch = transport.prepare_copy(offer, early.block_ids, pool, blocks)
                 transport.open_event(offer, handle).synchronize()
-                early.event_unix_s = time.time()
+                early.marks["early event seen"] = time.time()
                 with early.lock:
                     if early.dropped or slot.ended:
                         raise TransferError("the early copy was dropped")
-                    early.launching_unix_s = time.time()
+                    early.marks["early copy launching"] = time.time()
                     with transfer_stream(pool):
-                        copy = launch(early.launch_marks)
-                    early.queued_unix_s = time.time()
+                        copy = launch(early.marks)
+                    early.marks["early copy queued"] = time.time()
                     early.copy = copy  # last: the loop's thread reads it unlocked
                 then = (_resolve, early.queued, early.copy)
             except Exception as e:  # reported on the loop; the delivery pulls as usual
@@ -596,11 +595,8 @@ class HandoffInbox:
         copy's sums compared, else the copy and its checksum kernel (~0.5 ms: the hop to the
         pull thread and back cost more, waiting for the GIL); "" or why the KV is refused."""
         early = slot.early
-        if early is not None and early.queued_unix_s:
-            slot.marks["early event seen"] = early.event_unix_s
-            slot.marks["early copy launching"] = early.launching_unix_s
-            slot.marks.update(early.launch_marks)
-            slot.marks["early copy queued"] = early.queued_unix_s
+        if early is not None and early.copy is not None:
+            slot.marks.update(early.marks)
         reason = self._take_early(slot, desc, blocks, deadline, span)
         return self._pull(desc, blocks, after, deadline, span) if reason is None else reason
 
