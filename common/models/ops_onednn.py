@@ -195,10 +195,10 @@ class OneDnnLinear:
 # same copy: 8 where torch's CPU capability is AVX2 (the twelfth session's Zen 3 box, 2 threads,
 # SmolLM2's 30 layers, median of 15: 22.9 / 31.0 / 40.9 / 52.5 ms at 1 / 4 / 8 / 12 rows against
 # oneDNN's 30.9 / 34.0 / 42.7 / 44.2; the ninth session's 16 came from 1-thread figures: at 2
-# threads oneDNN ran 9-16 rows 25-35% faster than the kernel did), 1 on an AVX-512 CPU, whose oneDNN kernels win
-# from 2 rows (AVX-512 box, 2 threads, same weights, median of 5: 13.6 ms both at 1 row; 17.8 /
-# 21.7 / 33.2 / 49.0 against 14.3 / 13.9 / 19.4 / 18.5 at 2 / 4 / 8 / 16; the kernel then took
-# half a block a task, see the .cpp).
+# threads oneDNN ran 9-16 rows 25-35% faster than the kernel did), 1 on an AVX-512 CPU, whose
+# oneDNN kernels win from 2 rows (AVX-512 box, 2 threads, same weights, median of 5: 13.6 ms
+# both at 1 row; 17.8 / 21.7 / 33.2 / 49.0 against 14.3 / 13.9 / 19.4 / 18.5 at 2 / 4 / 8 / 16;
+# the kernel then took half a block a task, see the .cpp).
 PACKED_LINEAR_ROWS = {"AVX2": 8}
 PACKED_LINEAR_ROWS_OTHERWISE = 1
 
