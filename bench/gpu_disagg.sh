@@ -25,7 +25,8 @@
 # the GPU tests of the handoff's transports and sums first. HANDOFFS: 512-token handoffs per
 # case (default 8). EXTRA_FLAGS: more flags for the
 # prefill and decode services; AB_FLAGS: an A/B in the same call, each log level's case run
-# again with EXTRA_FLAGS + AB_FLAGS right after it (named *_b).
+# again with EXTRA_FLAGS + AB_FLAGS right after it (named *_b); AB_DECODE_FLAGS: the same with
+# flags of the decode service alone (e.g. --no-early-copy-on-device).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"
@@ -59,13 +60,13 @@ fi
 SHAPE="${SHAPE:-llama-3-8b}"
 FLAGS="--dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 2048"
 FLAGS="$FLAGS --cuda-graph-prefill-tokens 512 ${EXTRA_FLAGS:-}"
-run_case() {  # name, prefill device, decode device, log level[, more flags]
+run_case() {  # name, prefill device, decode device, log level[, more flags[, decode flags]]
     echo "== $1: prefill on $2, decode on $3, --log-level $4 ${5:-}($(date +%T))"
     rm -rf /tmp/stack-latency-*
     timeout 280 python3 bench/stack_latency.py --model "dummy:$SHAPE" --vocab 128000 \
         --prefill-device "$2" --decode-device "$3" --local-device "$3" \
         --num-kv-blocks 2048 --requests 20 --warmup 3 --handoff-requests "${HANDOFFS:-8}" --load-streams 16 \
-        --engine-flags="$FLAGS ${5:-}--log-level $4" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
+        --engine-flags="$FLAGS ${5:-}--log-level $4" --decode-flags="${6:-}" --out "$OUT/disagg_$1.json" > "/tmp/disagg_$1.log" 2>&1
     rc=$?
     tail -9 "/tmp/disagg_$1.log"
     if [ "$4" = debug ]; then  # every handoff's line to $OUT, the last 12 here
@@ -80,8 +81,9 @@ run_case() {  # name, prefill device, decode device, log level[, more flags]
 }
 for level in ${LOG_LEVELS:-info debug}; do
     run_case "same_gpu_$level" cuda:0 cuda:0 "$level"
-    if [ -n "${AB_FLAGS:-}" ]; then
-        run_case "same_gpu_${level}_b" cuda:0 cuda:0 "$level" "$AB_FLAGS "
+    if [ -n "${AB_FLAGS:-}${AB_DECODE_FLAGS:-}" ]; then
+        run_case "same_gpu_${level}_b" cuda:0 cuda:0 "$level" "${AB_FLAGS:-} " \
+            "${AB_DECODE_FLAGS:-}"
     fi
 done
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

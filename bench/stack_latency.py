@@ -94,6 +94,9 @@ def parse_args() -> argparse.Namespace:
                         "same settings where EngineConfig has them)")
     p.add_argument("--prefill-flags", default="",
                    help="more flags for the prefill service alone (e.g. --no-early-handoff)")
+    p.add_argument("--decode-flags", default="",
+                   help="more flags for the decode service alone (e.g. "
+                        "--no-early-copy-on-device)")
     p.add_argument("--vocab", type=int, default=40000, help="prompt token ids are below this")
     p.add_argument("--out", default="out/stack_latency.json", help="where to write the JSON")
     return p.parse_args()
@@ -154,7 +157,8 @@ def start_stack(args: argparse.Namespace, log_dir: Path):
     for role, extra, p, metrics in (
             ("prefill", [*flags, "--device", args.prefill_device,
                          *shlex.split(args.prefill_flags)], 0, 0),
-            ("decode", [*flags, "--device", args.decode_device], 0, args.decode_metrics_port),
+            ("decode", [*flags, "--device", args.decode_device,
+                        *shlex.split(args.decode_flags)], 0, args.decode_metrics_port),
             ("gateway", [], port, 0)):
         log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115 (the child keeps it)
         procs.append(start_service(service_argv(role, registry_url=redis.url, namespace="bench",

@@ -20,6 +20,10 @@ class DecodeServiceConfig(InstanceConfig):
                         "gateway's express reply socket when the gateway is on this host and "
                         "names one, from the engine's thread (common/serving/express.py); never "
                         "with TLS")
+    early_copy_on_device: bool = opt(True, "on a GPU, queue an early handoff's copy at once on "
+                                     "a stream that waits on the device for the prefill's step "
+                                     "(else a thread waits for it on the host, then queues the "
+                                     "copy)")
     peer_check_s: float = opt(1.0, "while a request waits for its KV, how often the prefill "
                               "instance's registry record is checked; when it is gone the "
                               "reserved blocks are freed")

@@ -52,6 +52,7 @@ import torch
 
 from common.engine.rank_kv import RankShards
 from common.errors import (
+    EngineLoopStopped,
     HandoffNotFoundError,
     InvalidRequestError,
     PeerGoneError,
@@ -59,7 +60,7 @@ from common.errors import (
     TransferError,
 )
 from common.kv_transport.base import check_geometry
-from common.kv_transport.blocks import handoff_bytes, transfer_stream
+from common.kv_transport.blocks import handoff_bytes, transfer_stream, waiting_streams
 from common.kv_transport.checksum import combine, prepare
 from common.kv_transport.select import KVReceiver
 from common.registry import HandoffDescriptor, Registry
@@ -72,6 +73,7 @@ log = logging.getLogger("splitserve.decode.handoff")
 
 DEADLINE_MARGIN_S = 0.05  # a pull ending closer than this to the Deliver deadline is discarded
 EARLY_WAIT_S = 0.05  # how long a delivery waits for its early copy to be queued, then pulls
+STRANDED_WARN_S = 30.0  # blocks still written by a dropped early copy after this: logged
 
 
 def _settle(future: asyncio.Future, error: BaseException) -> None:
@@ -110,11 +112,13 @@ class Taken:
 @dataclass(slots=True, eq=False)
 class _Early:
     """An early ring's copy. A thread prepares it (source opened, ids uploaded, a host buffer
-    for the sums), waits for the prefill step's interprocess event and at once queues the copy
-    with its sums into the reserved blocks: `copy` is then (pinned host sums, event when
-    copied); `failed` when it could not. `queued` follows on the loop's thread, for a delivery
-    that waits for it. `lock` orders the thread's queueing against drop() (loop thread); the
-    rest is loop-thread state but for the thread's marks."""
+    for the sums) and queues the copy with its sums into the reserved blocks behind the prefill
+    step's interprocess event: by default at once, on a stream of its own that waits for the
+    event on the device (--early-copy-on-device), else once the thread has seen the
+    event complete. `copy` is then (pinned host sums, event when copied); `failed` when it
+    could not. `queued` follows on the loop's thread, for a delivery that waits for it. `lock`
+    orders the thread's queueing against drop() (loop thread); the rest is loop-thread state
+    but for the thread's marks."""
     # The handoff's descriptor but for its checksum and block hashes, which the short ring
     # at the first token brings (HandoffDescriptor.completed).
     desc: HandoffDescriptor
@@ -145,16 +149,17 @@ class _Early:
         return (list(desc.block_ids) == self.block_ids
                 and ipc.get("handle") == self.offer.get("handle"))
 
-    def drop(self) -> None:
-        """Never queued from now on; a copy queued already is waited for (it writes the slot's
-        blocks, which are about to be freed or pulled into again). Loop thread."""
+    def drop(self) -> torch.cuda.Event | None:
+        """Never queued from now on. A copy queued already still writes the slot's blocks: its
+        event when it has not completed (it may wait on the device for a source that died
+        during its step, maybe for good): nothing may use or free those blocks before it
+        completes. Loop thread."""
         with self.lock:
             self.dropped = True
             copy = self.copy
-        if copy is not None:
-            copy[1].synchronize()
         if not self.queued.done():
             self.queued.cancel()
+        return None if copy is None or copy[1].query() else copy[1]
 
 
 @dataclass(slots=True, eq=False)
@@ -171,6 +176,8 @@ class _Slot:
     reserve_ms: float = 0.0           # how long reserving took (Taken.reserve_ms)
     early: _Early | None = None       # an early doorbell ring's copy (see _ring_early)
     early_ring: dict | None = None    # an early ring that came before the reservation
+    # A dropped early copy not yet completed: it still writes `blocks` (_Early.drop).
+    writing: torch.cuda.Event | None = None
     marks: dict[str, float] = field(default_factory=dict)  # Taken.marks, gathered
 
 
@@ -188,11 +195,14 @@ class _PullAttributes:
 class HandoffInbox:
     def __init__(self, registry: Registry, loop: EngineLoop, timeout_s: float,
                  metrics: DecodeMetrics, *, wait_s: float = 5.0, peer_check_s: float = 1.0,
-                 tls: TlsConfig = PLAINTEXT):
+                 tls: TlsConfig = PLAINTEXT, early_copy_on_device: bool = True):
         """timeout_s: the longest a pull may take. tls: this service's TlsConfig; grpc pulls dial
-        prefill services with it."""
+        prefill services with it. early_copy_on_device: an early ring's copy is queued at once
+        behind a wait on the device for the prefill's event (else when a thread has seen the
+        event complete)."""
         self.registry = registry
         self.loop = loop
+        self.early_copy_on_device = early_copy_on_device
         self.wait_s = wait_s
         self.peer_check_s = peer_check_s
         self.receiver = KVReceiver(timeout_s=timeout_s, tls=tls)
@@ -299,17 +309,39 @@ class HandoffInbox:
         if slot.pulling:
             return
         if slot.early is not None:
-            slot.early.drop()
+            slot.writing = slot.early.drop()
         # Reserved and not pulled into, and (disjoint) delivered and not yet taken (unless
         # admitted: then the engine owns them, and the caller's abort frees them).
         blocks, slot.blocks = slot.blocks, []
         if slot.delivered.done() and slot.delivered.result().admitted is None:
             blocks += slot.delivered.result().block_ids or []
         if blocks:
-            self._free(blocks)
+            self._free(blocks, slot.writing)
 
-    def _free(self, blocks: list[int]) -> None:
-        self.loop.call(lambda e: e.kv.free(blocks))
+    def _free(self, blocks: list[int], writing: torch.cuda.Event | None = None) -> None:
+        """Back to the engine's pool; once `writing` (a dropped early copy into them) has
+        completed, when one is given: a thread waits for it, and a copy that waits for a source
+        that died mid-step keeps its blocks out of the pool (logged, with how many)."""
+        if writing is None or writing.query():
+            self.loop.call(lambda e: e.kv.free(blocks))
+            return
+
+        def wait() -> None:
+            start = time.monotonic()
+            warned = False
+            while not writing.query():
+                if not warned and time.monotonic() - start > STRANDED_WARN_S:
+                    warned = True
+                    log.warning("%d KV blocks wait for an early copy whose source has not "
+                                "finished its step in %.0f s; they return to the pool when it "
+                                "does", len(blocks), STRANDED_WARN_S)
+                time.sleep(0.001 if time.monotonic() - start < 0.1 else 0.05)
+            if warned:
+                log.warning("%d KV blocks held by an early copy are free again", len(blocks))
+            with contextlib.suppress(EngineLoopStopped):
+                self.loop.call(lambda e: e.kv.free(blocks))
+
+        threading.Thread(target=wait, name="kv-free-after", daemon=True).start()
 
     # ---- the doorbell ------------------------------------------------------------------------
     def ring(self, message: dict) -> None:
@@ -396,12 +428,16 @@ class HandoffInbox:
 
     def _ring_early(self, slot: _Slot | None, message: dict) -> None:
         """The prefill launched the step that writes the prompt's last KV, behind which it
-        recorded the interprocess event named here: a thread prepares the copy, waits for that
-        event (never this thread, nor a GPU stream: a source that dies before its step ends
-        leaves only that thread waiting) and queues the copy with its sums into the reserved
-        blocks the moment it completes, without a turn of the event loop. The ring with the
-        checksum (or the Deliver call) then only compares the sums. Ignored unless the blocks
-        are reserved, nobody pulls yet, and the pool is a GPU's at TP 1."""
+        recorded the interprocess event named here: a thread prepares the copy with its sums into
+        the reserved blocks and queues it behind that event, without a turn of the event loop.
+        By default (early_copy_on_device) it is queued at once on a stream of its own that waits
+        for the event on the device, so no host thread's wake-up lies between the prefill's
+        step and the copy; a source that dies before its step ends may leave that stream
+        waiting for good, so the stream is never shared (WaitingStreams) and the blocks stay
+        out of the pool until the copy completes (_Early.drop, _free). Otherwise the thread
+        waits for the event on the host and then queues the copy. The ring with the checksum
+        (or the Deliver call) then only compares the sums. Ignored unless the blocks are
+        reserved, nobody pulls yet, and the pool is a GPU's at TP 1."""
         pool = self.loop.engine.kv_cache
         if (slot is None or slot.claimed or slot.early is not None or not slot.reserved.done()
                 or slot.reserved.cancelled() or slot.delivered.done() or slot.ended
@@ -420,20 +456,47 @@ class HandoffInbox:
         transport = self.receiver.transport("cuda_ipc")
         blocks, after = slot.reserved.result()
 
-        def wait() -> None:
+        def on_device() -> None:  # queued at once; the stream waits for the event
+            event = transport.open_event(offer, handle)
+            stream = waiting_streams.take(pool.device)
+            copy = None
             try:
-                with transfer_stream(pool, after):
-                    launch = transport.prepare_copy(offer, early.block_ids, pool, blocks)
-                transport.open_event(offer, handle).synchronize()
-                early.marks["early event seen"] = time.time()
+                with torch.cuda.stream(stream):
+                    if after is not None:
+                        stream.wait_event(after)
+                    launch = transport.prepare_copy(offer, early.block_ids, pool, blocks, event)
                 with early.lock:
                     if early.dropped or slot.ended:
                         raise TransferError("the early copy was dropped")
                     early.marks["early copy launching"] = time.time()
-                    with transfer_stream(pool):
+                    with torch.cuda.stream(stream):
                         copy = launch(early.marks)
                     early.marks["early copy queued"] = time.time()
                     early.copy = copy  # last: the loop's thread reads it unlocked
+            finally:  # the stream is free again once its last work completes
+                if copy is None:
+                    stream.record_event(done := torch.cuda.Event())
+                else:
+                    done = copy[1]
+                waiting_streams.give(stream, done)
+
+        def on_host() -> None:  # queued once this thread has seen the event complete
+            with transfer_stream(pool, after):
+                launch = transport.prepare_copy(offer, early.block_ids, pool, blocks)
+            transport.open_event(offer, handle).synchronize()
+            early.marks["early event seen"] = time.time()
+            with early.lock:
+                if early.dropped or slot.ended:
+                    raise TransferError("the early copy was dropped")
+                early.marks["early copy launching"] = time.time()
+                with transfer_stream(pool):
+                    copy = launch(early.marks)
+                early.marks["early copy queued"] = time.time()
+                early.copy = copy  # last: the loop's thread reads it unlocked
+
+        def wait() -> None:
+            try:
+                (on_device if self.early_copy_on_device else on_host)()
                 then = (_resolve, early.queued, early.copy)
             except Exception as e:  # reported on the loop; the delivery pulls as usual
                 early.failed = True
@@ -453,8 +516,11 @@ class HandoffInbox:
         if early is None:
             return None
         if not early.matches(desc) or early.copy is None:
-            early.drop()
+            slot.writing = early.drop()
             slot.early = None
+            if slot.writing is not None:  # not pulled into: a copy from elsewhere may land
+                return (f"handoff {desc.request_id}: an early copy from another source still "
+                        "writes the reserved blocks")
             return None
         start = time.monotonic()
         slot.marks["early copy checked"] = time.time()
@@ -607,10 +673,10 @@ class HandoffInbox:
         request_id = slot.request_id
         handoff_ms = 1e3 * (time.monotonic() - arrived)
         if slot.ended:  # the Decode call left during the pull
-            self._free(blocks)
+            self._free(blocks, slot.writing)
             return False, f"request {request_id!r} ended during the pull"
         if reason:
-            self._free(blocks)
+            self._free(blocks, slot.writing)
             log.warning("request %s: %s; recomputing its prompt here", request_id, reason)
             slot.delivered.set_result(Taken(None, first_token_id, 0.0, handoff_ms, reason))
             return False, reason

@@ -7,6 +7,7 @@ head_dim]. Block b of a pool is pool[:, :, b].
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -70,6 +71,48 @@ def transfer_stream(pool: torch.Tensor, after: torch.cuda.Event | None = None) -
         if after is not None:
             stream.wait_event(after)
         yield
+
+
+class WaitingStreams:
+    """CUDA streams for copies queued behind a wait on ANOTHER process's event (an early
+    handoff's copy waits on the device for the prefill's step: decode_service/handoff.py). A
+    source that dies before its step ends may leave such a wait pending for good, so each copy
+    gets a stream nothing else uses, reused only once its last copy has completed; a stream left
+    waiting is never handed out again. They are made through the driver API: torch's streams
+    come from a pool that hands each one out again after 32 others. Any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[tuple[torch.cuda.ExternalStream, torch.cuda.Event]]] = {}
+        self._driver: ctypes.CDLL | None = None
+
+    def take(self, device: torch.device) -> torch.cuda.ExternalStream:
+        """A stream of the device with nothing queued on it; give it back with give()."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            idle = self._free.setdefault(index, [])
+            for i, (stream, done) in enumerate(idle):
+                if done.query():
+                    del idle[i]
+                    return stream
+            if self._driver is None:
+                self._driver = ctypes.CDLL("libcuda.so.1")
+        with torch.cuda.device(index):  # the device's primary context current on this thread
+            torch.cuda.current_stream().query()
+            handle = ctypes.c_void_p()
+            code = self._driver.cuStreamCreate(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING)
+        if code != 0:
+            raise RuntimeError(f"cuStreamCreate failed with CUresult {code}")
+        return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+
+    def give(self, stream: torch.cuda.ExternalStream, done: torch.cuda.Event) -> None:
+        """stream's last work is recorded by done: reusable once done completes."""
+        with self._lock:
+            self._free.setdefault(stream.device.index, []).append((stream, done))
+
+
+_CU_STREAM_NON_BLOCKING = 1
+waiting_streams = WaitingStreams()
 
 
 def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -156,7 +156,8 @@ class CudaIpcTransport(KVTransport):
                                        dst_block_ids).tolist())
 
     def prepare_copy(self, info: dict[str, Any], src_ids: list[int], dst_pool: torch.Tensor,
-                     dst_ids: list[int]) -> Callable[[], tuple[torch.Tensor, torch.cuda.Event]]:
+                     dst_ids: list[int], source_event: torch.cuda.Event | None = None,
+                     ) -> Callable[[], tuple[torch.Tensor, torch.cuda.Event]]:
         """An early handoff's copy (decode_service/handoff.py), in two parts: now, the source
         pool opened, the ids uploaded and the sums zeroed on the current stream (the caller's
         transfer stream), the pinned host buffer, the event and the kernel's checks; the
@@ -164,7 +165,9 @@ class CudaIpcTransport(KVTransport):
         copy_block_sums of src_ids into dst_ids, the sums' copy to the host buffer behind it
         and the event behind that, and returns (the host sums, the event), read once the event
         completes (marks: gets the moment the kernel was launched). One GPU, contiguous pools
-        of one dtype; TransferError otherwise or for ids outside either pool. Any thread."""
+        of one dtype; TransferError otherwise or for ids outside either pool. source_event:
+        the launch queues a wait for it first, on the device (then it may be called before the
+        source's KV is written: the copy runs when the event completes). Any thread."""
         src = self._source(info)
         if (not _one_gpu(src, dst_pool) or src.shape[:2] != dst_pool.shape[:2]
                 or src.shape[3:] != dst_pool.shape[3:]):
@@ -182,6 +185,8 @@ class CudaIpcTransport(KVTransport):
 
         def launch(marks: dict[str, float] | None = None,
                    ) -> tuple[torch.Tensor, torch.cuda.Event]:
+            if source_event is not None:
+                torch.cuda.current_stream(src.device).wait_event(source_event)
             with torch.cuda.device(src.device):  # Triton launches on the current device
                 kernel()
             if marks is not None:  # the moments of a launch, for a debug breakdown

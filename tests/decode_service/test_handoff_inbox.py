@@ -405,42 +405,71 @@ def test_the_early_and_the_short_ring_make_the_whole_descriptor(setup):
     assert early.matches(rebuilt) and short_ring["first_token_id"] == 42
 
 
-def test_dropping_an_early_copy_waits_for_it_or_stops_it(setup):
+def test_dropping_an_early_copy_stops_it_or_names_what_still_writes(setup):
     """_Early.drop against the thread that queues the copy (the lock between them): dropped
     before, the thread finds it dropped and queues nothing; dropped after, drop() waits for the
-    queued copy's event before the blocks can be freed."""
+    copy to be queued and returns its event while it has not completed (it may wait on the
+    device for a source that died): the slot's blocks are freed only after it (_free)."""
     _, _, _, source, _ = setup
     desc = describe(source, "drop-race", [1, 2])
 
     class Event:
-        synchronized = 0
+        def __init__(self, completed: bool):
+            self.completed = completed
 
-        def synchronize(self) -> None:
-            Event.synchronized += 1
+        def query(self) -> bool:
+            return self.completed
 
     async def scenario():
         aio = asyncio.get_running_loop()
         before = _Early(desc, aio.create_future())
-        before.drop()
+        assert before.drop() is None
         with before.lock:  # what the thread checks before queueing
             assert before.dropped and before.copy is None
         assert before.queued.cancelled() and not before.through
 
-        after = _Early(desc, aio.create_future())
-        started, release = threading.Event(), threading.Event()
+        for completed in (False, True):
+            after = _Early(desc, aio.create_future())
+            started, release = threading.Event(), threading.Event()
+            event = Event(completed)
 
-        def thread() -> None:  # holds the lock while it queues, as _ring_early's thread does
-            with after.lock:
-                started.set()
-                release.wait(5)
-                after.copy = (torch.zeros(2, 2, dtype=torch.int64), Event())
+            def thread(early=after, started=started, release=release, event=event) -> None:
+                with early.lock:  # holds the lock while it queues, as _ring_early's does
+                    started.set()
+                    release.wait(5)
+                    early.copy = (torch.zeros(2, 2, dtype=torch.int64), event)
 
-        worker = threading.Thread(target=thread)
-        worker.start()
-        started.wait(5)
-        threading.Timer(0.05, release.set).start()
-        after.drop()  # blocks until the copy is queued, then waits for it
-        worker.join()
-        assert after.dropped and after.through and Event.synchronized == 1
+            worker = threading.Thread(target=thread)
+            worker.start()
+            started.wait(5)
+            threading.Timer(0.05, release.set).start()
+            writing = after.drop()  # blocks until the copy is queued
+            worker.join()
+            assert after.dropped and after.through
+            assert writing is (None if completed else event)
 
     asyncio.run(scenario())
+
+
+def test_blocks_an_early_copy_still_writes_return_to_the_pool_after_it(setup):
+    """_free with a dropped early copy's event that has not completed (its source may have died
+    mid-step): the blocks stay out of the pool until the event completes, then return."""
+    engine, loop, inbox, _, _ = setup
+
+    class Event:
+        completed = False
+
+        def query(self) -> bool:
+            return self.completed
+
+    blocks = loop.call(lambda e: e.kv.reserve(3)).result(timeout=5)
+    assert used(loop) == 3
+    event = Event()
+    inbox._free(blocks, event)
+    time.sleep(0.2)
+    assert used(loop) == 3  # still written
+    event.completed = True
+    deadline = time.monotonic() + 5
+    while used(loop) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert used(loop) == 0

@@ -36,6 +36,11 @@ class PoolOwner:
         self.proc.stdin.flush()
         return self.proc.stdout.readline().strip()
 
+    def kill(self) -> None:
+        """SIGKILL, as a source that dies mid-step."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
     def exit(self) -> int:
         if self.proc.poll() is None:
             self.proc.stdin.write("exit\n")

@@ -6,7 +6,8 @@ Makes a pool filled with seeded random data (generated on the CPU, so the test c
 offers it through a KVSource, prints the handoff descriptor as one JSON line, then obeys stdin:
 "scribble B" adds 1 to block B and answers "ok"; "late_scribble B" (CUDA) queues the same behind
 ~0.1 s of GPU work, records an interprocess event behind it and answers the event's IPC handle
-(base64) without waiting; "exit" closes the source and the pool file.
+(base64) without waiting; "long_scribble B" the same behind ~2 s (to be killed meanwhile);
+"exit" closes the source and the pool file.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def main() -> None:
             if pool.is_cuda:
                 torch.cuda.synchronize()
             print("ok", flush=True)
-        elif cmd[0] == "late_scribble":  # the early handoff's event: behind slow GPU work
+        elif cmd[0] in ("late_scribble", "long_scribble"):  # the early handoff's event
             event = torch.cuda.Event(interprocess=True)
-            torch.cuda._sleep(int(2e8))  # ~0.1 s of a busy GPU before the write
+            # ~0.1 s (~2 s) of a busy GPU before the write
+            torch.cuda._sleep(int(2e8 if cmd[0] == "late_scribble" else 4e9))
             pool[:, :, int(cmd[1])] += 1
             event.record()
             print(base64.b64encode(event.ipc_handle()).decode(), flush=True)

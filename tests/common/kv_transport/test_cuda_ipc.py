@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.errors import TransferError
-from common.kv_transport.blocks import copy_blocks
+from common.kv_transport.blocks import WaitingStreams, copy_blocks
 from common.kv_transport.checksum import combine, kv_checksum
 from common.kv_transport.select import KVReceiver
 
@@ -87,3 +87,70 @@ def test_an_early_copy_waits_for_the_sources_event(pool_owner) -> None:
         transport.prepare_copy(offer, [12], dst, [0])
     transport.close()
     assert owner.exit() == 0
+
+
+def test_an_early_copy_queued_at_once_waits_on_the_device(pool_owner) -> None:
+    """--early-copy-on-device: the copy is queued before the source's work ends, on a stream of
+    its own that waits for the source's interprocess event on the device; it copies the blocks
+    as that work wrote them. The stream is handed out again only once its copy completed."""
+    import base64
+    owner = pool_owner("cuda", 12, SHAPE, [3, 4, 9, 0])
+    desc = owner.desc
+    transport = KVReceiver().transport("cuda_ipc")
+    handle = base64.b64decode(owner.command("late_scribble 9"))
+    offer = desc.transports["cuda_ipc"]
+    dst = torch.zeros([2, 2, 8, 4, 2, 8], device="cuda")
+    streams = WaitingStreams()
+    stream = streams.take(dst.device)
+    with torch.cuda.stream(stream):
+        launch = transport.prepare_copy(offer, list(desc.block_ids), dst, [6, 1, 2, 7],
+                                        transport.open_event(offer, handle))
+        host, done = launch()
+    streams.give(stream, done)
+    assert not done.query()  # the source's ~0.1 s of work is still running
+    assert streams.take(dst.device) is not stream
+    done.synchronize()
+    want = _seeded_pool(12, SHAPE)
+    want[:, :, 9] += 1
+    for s, d in [(3, 6), (4, 1), (9, 2), (0, 7)]:
+        assert torch.equal(dst[:, :, d].cpu(), want[:, :, s])
+    assert combine(host.tolist()) == kv_checksum(want, [3, 4, 9, 0])
+    assert streams.take(dst.device) is stream  # completed: reused
+    transport.close()
+    assert owner.exit() == 0
+
+
+def test_a_source_that_dies_mid_step_strands_only_its_copys_stream(pool_owner) -> None:
+    """The early copy's stream waits for an event of a source killed before recording it: the
+    rest of this process (the default stream, other streams, a later early copy) goes on, and
+    that stream is never handed out again while its copy has not completed. Prints whether the
+    driver ended the wait when the source died (it is not relied upon)."""
+    import base64
+    import time
+    owner = pool_owner("cuda", 12, SHAPE, [3, 4, 9, 0])
+    desc = owner.desc
+    transport = KVReceiver().transport("cuda_ipc")
+    handle = base64.b64decode(owner.command("long_scribble 9"))
+    offer = desc.transports["cuda_ipc"]
+    dst = torch.zeros([2, 2, 8, 4, 2, 8], device="cuda")
+    streams = WaitingStreams()
+    stream = streams.take(dst.device)
+    with torch.cuda.stream(stream):
+        _, done = transport.prepare_copy(offer, list(desc.block_ids), dst, [6, 1, 2, 7],
+                                         transport.open_event(offer, handle))()
+    streams.give(stream, done)
+    owner.kill()
+    x = torch.ones(4, device="cuda")
+    assert (x + 1).sum().item() == 8  # the default stream goes on
+    other = streams.take(dst.device)
+    assert other is not stream or done.query()
+    with torch.cuda.stream(other):
+        y = torch.full((4,), 2.0, device="cuda") * 3
+    other.synchronize()
+    assert y.sum().item() == 24
+    start = time.monotonic()
+    while not done.query() and time.monotonic() - start < 8:
+        time.sleep(0.01)
+    print(f"the dead source's wait {'ended' if done.query() else 'still pending'} after "
+          f"{time.monotonic() - start:.2f} s")
+    transport.close()
