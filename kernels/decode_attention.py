@@ -75,6 +75,12 @@ class DecodeConfig:
     # (3 programs a multiprocessor to 2) and ran 3-8% slower at batch 128-256.
     peel: bool = False     # whole tiles in a loop without masks, the partial last tile after it
     asm_widen: bool = False  # with peel, V first, compiled: V widened by inline asm, no select
+    # An fp8 pool under a 16-bit q, head_dim a power of two: the pool read as int16 pairs of
+    # e4m3, K and V through shared memory as stored and widened after it, the head dimension in
+    # even and odd halves (two dots of half the depth each); V needs no fp16 copy through shared
+    # memory, and widen_v_first, peel and asm_widen do not apply.
+    fp8_pairs: bool = False
+    max_registers: int | None = None  # triton's maxnreg for stage 1 (compiled only)
 
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device,
@@ -89,9 +95,11 @@ class DecodeConfig:
                             18.0 -> 16.2, 32: 26.8 -> 25.8); below that the split count is 32
                             and the one merging program reads too much (batch 1: 6.7 vs 7.4)
 
-        An fp8 pool (fp8) takes 128-token tiles where a bf16 one takes 64: half the bytes a
-        tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch 32-256 at 1k-4k: 0.41-0.56 of copy
-        against 0.32-0.45 with 64; 64 was slower than 32 there). Above 2 programs a
+        An fp8 pool (fp8) is read as 16-bit pairs (fp8_pairs, where the launch allows it; the
+        V settings below are for the launches it does not), and takes 128-token tiles where a
+        bf16 one takes 64: half the bytes a tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch
+        32-256 at 1k-4k: 0.41-0.56 of copy against 0.32-0.45 with 64; 64 was slower than 32
+        there; measured before fp8_pairs existed). Above 2 programs a
         multiprocessor it widens V before shared memory (widen_v_first; bench/RESULTS.md
         "eighth session, issue 19": batch 128-256 at 1k-4k 0.57-0.66 of copy against 0.51-0.56;
         at batch 32 the other way round, 0.41-0.55 against 0.38-0.51).
@@ -99,7 +107,7 @@ class DecodeConfig:
         programs, sms = batch * kv_heads, _processor_count(device)
         wide = 128 if fp8 else 64
         return cls(block_n=32 if 2 * programs <= sms else wide, fused_merge=8 * programs > sms,
-                   widen_v_first=not fp8 or programs > 2 * sms)
+                   widen_v_first=not fp8 or programs > 2 * sms, fp8_pairs=fp8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +197,73 @@ def _e4m3_to_f16(x, pin):
 
 
 @triton.jit
+def _e4m3_pairs_to_f16(x, ASM: tl.constexpr):
+    """int16 elements that each hold two e4m3 bytes (an fp8 pool read as 16-bit pairs) -> (the
+    low bytes, the high bytes) widened to fp16. ASM (compiled): one prmt and two
+    cvt.rn.f16x2.e4m3x2 for the two pairs of a register; the interpreter runs no asm."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $2, 0, 0x3120; mov.b32 {a, b}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
+            "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = ((x >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def _attend_pairs(
+    q_row,                 # q_ptr + b * stride_qb
+    heads, g_mask,         # [BLOCK_G] the program's query heads, and which of them are real
+    start, end,            # the split's tokens
+    k_ptr, v_ptr,          # the fp8 pools viewed as int16: [num_blocks, BLOCK_SIZE, KVH, D / 2]
+    table, kvh, qk_scale,
+    stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, ASM: tl.constexpr,
+):
+    """The split's online softmax on an fp8 pool read as 16-bit pairs (DecodeConfig.fp8_pairs):
+    the head dimension in its even and odd halves, each a dot of half the depth. K and V reach
+    shared memory as stored (cp.async) and leave it through 16-bit ldmatrix (V transposed, as a
+    16-bit pool's), each pair's two bytes widened in registers; V needs no fp16 copy through
+    shared memory. Returns (m, l, acc) with acc's columns in order (even and odd interleaved)."""
+    HALF_D: tl.constexpr = BLOCK_D // 2
+    offs_c = tl.arange(0, HALF_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_ptrs = q_row + heads[:, None] * stride_qh + 2 * offs_c[None, :]
+    q_lo = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0).to(tl.float16)  # [BLOCK_G, HALF_D]
+    q_hi = tl.load(q_ptrs + 1, mask=g_mask[:, None], other=0.0).to(tl.float16)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_lo = tl.zeros([BLOCK_G, HALF_D], tl.float32)
+    acc_hi = tl.zeros([BLOCK_G, HALF_D], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + offs_n
+        n_mask = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = (pos % BLOCK_SIZE).to(tl.int64)
+        k_row = block * stride_kb + row * stride_kt + kvh * stride_kh
+        v_row = k_row if SAME_KV_STRIDES else block * stride_vb + row * stride_vt + kvh * stride_vh
+        k = tl.load(k_ptr + k_row[:, None] + offs_c[None, :], mask=n_mask[:, None], other=0)
+        v = tl.load(v_ptr + v_row[:, None] + offs_c[None, :], mask=n_mask[:, None], other=0)
+        k_lo, k_hi = _e4m3_pairs_to_f16(k, ASM)  # [BLOCK_N, HALF_D] each
+        s = tl.dot(q_lo, tl.trans(k_lo))
+        s = tl.dot(q_hi, tl.trans(k_hi), s) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_lo, v_hi = _e4m3_pairs_to_f16(v, ASM)
+        p = p.to(tl.float16)
+        acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None])
+        acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_G, BLOCK_D])
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc,      # [BLOCK_G, BLOCK_D] q; the online softmax's running max, sum, acc
     tile, end,             # the tile's first token; the split's end (masked tiles only)
@@ -244,6 +319,48 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_split(
+    q_row, heads, g_mask, d_mask, start, end, k_ptr, v_ptr, table, kvh, qk_scale,
+    stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    F16_DOT: tl.constexpr, WIDEN_V_FIRST: tl.constexpr, PEEL: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr, ASM_WIDEN: tl.constexpr,
+):
+    """The split's online softmax, a BLOCK_N-token tile at a time: returns (m, l, acc)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_row + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if F16_DOT:  # an fp8 pool: its tiles widen to fp16 directly (to bf16 through float32)
+        q = q.to(tl.float16)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if PEEL:  # the whole tiles without masks, then the split's last, partial tile
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for tile in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, table, kvh, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
+                SAME_KV_STRIDES, ASM_WIDEN, False)
+        if full_end < end:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, full_end, end, k_ptr, v_ptr, table, kvh, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
+                SAME_KV_STRIDES, False, True)
+    else:
+        for tile in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, table, kvh, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
+                SAME_KV_STRIDES, False, True)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,                 # [B, H, D]
     k_ptr, v_ptr,          # [num_blocks, BLOCK_SIZE, KVH, D]
@@ -267,6 +384,7 @@ def _decode_split_kernel(
     FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_V_FIRST: tl.constexpr = False, PEEL: tl.constexpr = False,
     SAME_KV_STRIDES: tl.constexpr = False, ASM_WIDEN: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, COMPILED: tl.constexpr = False,
 ):
     # kv heads fastest: the heads of one sequence run side by side, reading the adjacent
     # 256-byte rows of the same blocks (H200, batch 256 at context 640: 1% faster than the other
@@ -286,35 +404,18 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
 
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    if F16_DOT:  # an fp8 pool: its tiles widen to fp16 directly (to bf16 through float32)
-        q = q.to(tl.float16)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = tables_ptr + b * stride_tb
-    if PEEL:  # the whole tiles without masks, then the split's last, partial tile
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        for tile in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, table, kvh, qk_scale,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
-                SAME_KV_STRIDES, ASM_WIDEN, False)
-        if full_end < end:
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, full_end, end, k_ptr, v_ptr, table, kvh, qk_scale,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
-                SAME_KV_STRIDES, False, True)
+    if PAIRS:  # k_ptr, v_ptr: the fp8 pools as int16, strides in int16
+        m_i, l_i, acc = _attend_pairs(
+            q_ptr + b * stride_qb, heads, g_mask, start, end, k_ptr, v_ptr, table, kvh,
+            qk_scale, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+            stride_vh, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, SAME_KV_STRIDES, COMPILED)
     else:
-        for tile in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, tile, end, k_ptr, v_ptr, table, kvh, qk_scale,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, WIDEN_V_FIRST,
-                SAME_KV_STRIDES, False, True)
+        m_i, l_i, acc = _attend_split(
+            q_ptr + b * stride_qb, heads, g_mask, d_mask, start, end, k_ptr, v_ptr, table, kvh,
+            qk_scale, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+            stride_vh, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, F16_DOT,
+            WIDEN_V_FIRST, PEEL, SAME_KV_STRIDES, ASM_WIDEN)
 
     if SINGLE_SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -439,6 +540,11 @@ def paged_attention_decode(
     block_d = next_pow2(d)
     fused = config.fused_merge
     f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    pairs = config.fp8_pairs and f16_dot and d == block_d
+    if pairs:  # the pools as 16-bit pairs of e4m3 (their strides halve)
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
+    compiled = dev.type == "cuda"  # the interpreter runs no inline asm
+    extra = {"maxnreg": config.max_registers} if config.max_registers and compiled else {}
     _decode_split_kernel[(kvh, b, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out,
         *((ws.acc, ws.max, ws.sum, ws.tickets) if ws is not None else (out,) * 4),
@@ -454,10 +560,10 @@ def paged_attention_decode(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=f16_dot, WIDEN_V_FIRST=f16_dot and config.widen_v_first, PEEL=config.peel,
         SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
-        ASM_WIDEN=config.asm_widen and dev.type == "cuda",  # the interpreter runs no asm
+        ASM_WIDEN=config.asm_widen and compiled, PAIRS=pairs, COMPILED=compiled,
         FUSED_MERGE=fused, MERGE_G=next_pow2(group),
         CHUNK_S=_merge_chunk(next_pow2(group), block_d, config.num_warps, 32),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )
     if ws is not None and not fused:
         merge_warps = 4 if d >= 128 else 2

@@ -246,12 +246,14 @@ def test_decode_attention_fp8_pool(device: str, make_paged, check_rel) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("widen_v_first", [True, False])
+@pytest.mark.parametrize("widen_v_first,pairs", [(True, False), (False, False), (True, True)],
+                         ids=["v-first", "v-late", "pairs"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, num_splits: int,
-                                           make_paged, check_rel) -> None:
+def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, pairs: bool,
+                                           num_splits: int, make_paged, check_rel) -> None:
     """A bf16 q on an fp8 pool: the tiles widen to fp16 for the dots, V before shared memory
-    or after (DecodeConfig.widen_v_first), whole or split context, fused merge or not."""
+    or after (DecodeConfig.widen_v_first), or the pool read as 16-bit pairs and both widened
+    after it (fp8_pairs); whole or split context, fused merge or not."""
     (h, kvh, d), lens = ((8, 2, 32), [1, 70, 17]) if device == "cpu" else \
         ((32, 8, 128), [4096, 1, 1000, 2500])
     k, v, tables = _paged(lens, kvh, d, device, make_paged)
@@ -259,11 +261,41 @@ def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, num
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     want = torch_ops.paged_attention_decode(q.float(), k, v, tables, seq_lens, d ** -0.5)
     for block_n, fused in ((16, False), (128, True)):
-        cfg = DecodeConfig(block_n=block_n, fused_merge=fused, widen_v_first=widen_v_first)
+        cfg = DecodeConfig(block_n=block_n, fused_merge=fused, widen_v_first=widen_v_first,
+                           fp8_pairs=pairs)
         out = torch.full_like(q, float("nan"))
         paged_attention_decode(q, k, v, tables, seq_lens, d ** -0.5, out=out,
                                num_splits=num_splits, config=cfg)
         check_rel(out.float(), want, 1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [32, 48])
+def test_decode_attention_fp8_pairs(device: str, head_dim: int, make_paged, check_rel) -> None:
+    """The pool read as 16-bit pairs (DecodeConfig.fp8_pairs) computes what the byte-wise read
+    does: K and V pools of other strides (V a slice of a wider pool), one split or three, a
+    partial last tile; head_dim 48 (no power of two) takes the byte-wise read."""
+    h, kvh = 8, 2
+    lens = [64, 5, 77, 1, 130]
+    k, v, tables = make_paged(lens, 16, kvh, head_dim, F32, device)
+    k = torch_ops.to_fp8(k * 3)
+    wide = torch.randn(v.shape[0], 16, kvh + 1, head_dim, device=device)
+    wide[:, :, :kvh] = v
+    v = torch_ops.to_fp8(wide * 3)[:, :, :kvh]
+    q = torch.randn(len(lens), h, head_dim, device=device).to(BF16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    want = torch_ops.paged_attention_decode(q.float(), k.float(), v.float(), tables, seq_lens,
+                                            head_dim ** -0.5)
+    for num_splits, fused in ((1, False), (3, True), (3, False)):
+        outs = []
+        for pairs in (True, False):
+            cfg = DecodeConfig(block_n=32, fused_merge=fused, fp8_pairs=pairs)
+            out = torch.full_like(q, float("nan"))
+            paged_attention_decode(q, k, v, tables, seq_lens, head_dim ** -0.5, out=out,
+                                   num_splits=num_splits, config=cfg)
+            outs.append(out.float())
+        check_rel(outs[0], want, 1e-2)
+        check_rel(outs[0], outs[1], 5e-3)  # the same products, summed in another order
 
 
 @pytest.mark.parametrize("device", DEVICES)
