@@ -10,6 +10,10 @@
 #             attention on an fp8 pool vs bf16
 #   dsweep    bench/gpu_fp8.py --sweep decode: the fp8-pool decode kernel's launch parameters
 #   mmtests   the GPU tests of the fp8 GEMM above batch 1 (_scaled_mm, norm / activation first)
+#   atests    the GPU tests of decode attention (both pools, the fp8 pool byte-wise and as pairs)
+#   pairs     bench/gpu_fp8_attn.py --pairs: decode attention on an fp8 pool read byte-wise and
+#             as 16-bit pairs (launch shape variants), the bf16 pool and a copy, T4's shape and
+#             batch 32-256 x context 1k-4k
 #   step      bench/gpu_fp8_step.py --promoted: _scaled_mm's fast accumulation off and on (time,
 #             error), decode attention's split count and tile at T4's shape, the engine's
 #             batch-256 step profiled without and with fast accumulation
@@ -23,6 +27,9 @@
 #   perf8kv   the same with fp8 weights and an fp8 KV cache
 #   perf8kvs  perf8kv with the batch-1 GEMV configs the gemv part chose (run gemv before)
 #   perf16    the same in bf16: the table beside them
+#   perf16q   perf16's T3 and T4 alone (no T1)
+#   t4bytes   perf8kv's T4 alone with decode attention reading the fp8 pool byte-wise (the
+#             kernel before DecodeConfig.fp8_pairs): the same call's A/B
 # Logs and JSON go to $OUT/fp8 (./out when OUT is unset), packed at the end into $OUT/fp8.tgz
 # (the device tool returns at most 8 files); a summary of each part closes the output.
 set -uo pipefail
@@ -55,6 +62,12 @@ for part in $PARTS; do
     mmtests) timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
             tests/kernels/test_fp8_kernels.py -k "scaled_mm or many_rows or quantize" 2>&1 \
             | tee "$OUT/fp8_mmtests.log" ;;
+    atests) timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+            tests/kernels/test_decode_attention.py tests/kernels/test_fp8_kernels.py \
+            -k decode_attention 2>&1 \
+            | tee "$OUT/fp8_atests.log" ;;
+    pairs) timeout 200 python3 bench/gpu_fp8_attn.py --pairs --out "$OUT/fp8_pairs.json" 2>&1 \
+            | grep -v Warn | tee "$OUT/fp8_pairs.log" ;;
     step) timeout 240 python3 bench/gpu_fp8_step.py --promoted --out "$OUT/fp8_step.json" 2>&1 \
             | tee "$OUT/fp8_step.log" ;;
     gemv) timeout 240 python3 bench/gpu_fp8.py --sweep gemv --engine \
@@ -68,18 +81,23 @@ for part in $PARTS; do
     checkkv) timeout 120 python3 bench/gpu_model_check.py --quantization fp8 \
             --kv-cache-dtype fp8 --out "$OUT/fp8kv_model_check.json" 2>&1 | grep -v Warning \
             | tee "$OUT/fp8kv_check.log" ;;
-    perf8|perf8kv|perf8kvs|perf16)
-        flags=(); [ "$part" != perf16 ] && flags+=(--quantization fp8)
+    perf8|perf8kv|perf8kvs|perf16|perf16q)
+        flags=(); [ "${part#perf16}" = "$part" ] && flags+=(--quantization fp8)
         [ "${part#perf8kv}" != "$part" ] && flags+=(--kv-cache-dtype fp8)
         [ "$part" = perf8kvs ] && flags+=(--gemv-configs "$OUT/fp8_gemv.json")
-        timeout 170 python3 bench/gpu_perf.py --skip-hf --sections T3,T4,T1 --budget 160 \
+        sections=T3,T4,T1; [ "$part" = perf16q ] && sections=T3,T4
+        timeout 170 python3 bench/gpu_perf.py --skip-hf --sections $sections --budget 160 \
             "${flags[@]}" --out "$OUT/perf_$part.json" 2>&1 | tee "$OUT/perf_$part.log" ;;
+    t4bytes) timeout 120 python3 bench/gpu_perf.py --skip-hf --sections T4 --budget 110 \
+            --quantization fp8 --kv-cache-dtype fp8 --decode-config fp8_pairs=0 \
+            --out "$OUT/perf_$part.json" 2>&1 | tee "$OUT/perf_$part.log" ;;
     *) echo "unknown part $part"; false ;;
     esac
     rc[$part]=${PIPESTATUS[0]}
 done
 echo "== summary"
-tail -n 3 "$OUT/fp8_tests.log" "$OUT/fp8_mmtests.log" 2>/dev/null
+tail -n 3 "$OUT/fp8_tests.log" "$OUT/fp8_mmtests.log" "$OUT/fp8_atests.log" 2>/dev/null
+sed -n '/^fraction of copy/,$p' "$OUT/fp8_pairs.log" 2>/dev/null
 grep -E "^copy|^gemm|^attn|^engine|^    " "$OUT/fp8_step.log" 2>/dev/null
 grep -E "^copy|x[0-9.]+ *$|x[0-9.]+  |decode B=" "$OUT/fp8_kernels.log" 2>/dev/null
 grep -E "^decode fp8" "$OUT/fp8_dsweep.log" 2>/dev/null

@@ -20,7 +20,8 @@ times the L2 (bench/gpu_kernels.py's DecodeCase), as:
 Every fp8 figure counts one byte a K/V element (the issue's target: >= 0.85 of the copy
 bandwidth at contexts >= 1k, batch >= 32). `--ncu` instead runs prod and prod_peel_asm a few
 times at one shape for Nsight Compute (bench/gpu_fp8_attn.sh); `--knobs` times the production
-kernel over peel, V widening, stages and a register cap.
+kernel over peel, V widening, stages and a register cap; `--pairs` times the pool read as
+16-bit pairs (DecodeConfig.fp8_pairs, thirteenth session) against the byte-wise read.
 (The run of 2026-12-03 had peel and asm_widen on by default: its JSON's `prod` is
 prod_peel_asm here, its `prod_old` prod, `bf16` bf16_peel and `bf16_old` bf16.)
 Usage: PYTHONPATH=. python3 bench/gpu_fp8_attn.py --out attn.json
@@ -361,14 +362,95 @@ def knobs(copy_tb_s: float) -> list[dict]:
     return rows
 
 
+# (batch, context): None is T4's shape, contexts 512..768 drawn at random
+PAIRS_CASES = ((256, None), (32, 1024), (32, 4096), (128, 1024), (128, 4096), (256, 1024),
+               (256, 4096))
+
+
+def pairs_variants(base: DecodeConfig) -> dict[str, DecodeConfig]:
+    """The fp8 pool read byte-wise (the kernel before fp8_pairs), then read as 16-bit pairs:
+    the default and the launch shapes the sm_90 compile (triton 3.6, offline) made worth a
+    try: registers 162 (3 programs a multiprocessor), capped at 128 (4), 64-token tiles (96:
+    5), 8 warps (100: 2 of 8 warps), 256-token tiles of 8 warps and 2 stages (128: 2)."""
+    rep = dataclasses.replace
+    return {"bytes": rep(base, fp8_pairs=False), "pairs": base,
+            "pairs_r128": rep(base, max_registers=128), "pairs_bn64": rep(base, block_n=64),
+            "pairs_w8": rep(base, num_warps=8),
+            "pairs_bn256_w8": rep(base, block_n=256, num_warps=8, num_stages=2)}
+
+
+def pairs_table(copy_tb_s: float) -> list[dict]:
+    """Decode attention on an fp8 pool read byte-wise and as 16-bit pairs (with launch shape
+    variants), the bf16 pool and a copy of the same bytes, at T4's shape and batch 32-256 x
+    context 1k-4k; CUDA-graph replays rotating over > L2; errors against the byte-wise read."""
+    from gpu_fp8_step import _attn_case
+    dev = torch.device("cuda")
+    rows = []
+    for batch, ctx in PAIRS_CASES:
+        row: dict = {"batch": batch, "ctx": ctx or "512..768"}
+        case16 = _attn_case(batch, ctx, False)
+        cfg16 = DecodeConfig.for_batch(batch, KVH, dev)
+        t = case16.time(default_num_splits(batch, KVH, ctx or 768, dev, cfg16), cfg16,
+                        eager=False)
+        row["bf16"] = {"us": t["us"], "frac": t["tb_s"] / copy_tb_s}
+        case16 = None
+        torch.cuda.empty_cache()
+        case = _attn_case(batch, ctx, True)
+        want = None
+        for name, cfg in pairs_variants(DecodeConfig.for_batch(batch, KVH, dev, fp8=True)).items():
+            splits = default_num_splits(batch, KVH, ctx or 768, dev, cfg)
+            try:
+                case.out.fill_(float("nan"))
+                case.call(0, splits, None, cfg)
+                got = case.out.float()
+                want = got.clone() if want is None else want
+                t = case.time(splits, cfg, eager=False)
+            except Exception as e:  # a launch the compiler refuses: the others still count
+                print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            row[name] = {"us": t["us"], "spread": t["spread_us"], "splits": splits,
+                         "frac": t["tb_s"] / copy_tb_s, "rel_err_vs_bytes": rel_err(got, want),
+                         "nan": bool(got.isnan().any())}
+        cu = case.copy_us()
+        row["copy"] = {"us": cu, "frac": case.bytes / cu / 1e6 / copy_tb_s}
+        case = None
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"B={batch} ctx={row['ctx']}: " + "  ".join(
+            f"{k} {v['us']:.1f}/{v['frac']:.2f}" for k, v in row.items() if isinstance(v, dict)),
+            flush=True)
+    names = [k for k, v in rows[0].items() if isinstance(v, dict)]
+    print("fraction of copy (fp8 bytes; bf16 its own), us:")
+    print("B/ctx        " + " ".join(f"{n:>15}" for n in names))
+    for row in rows:
+        print(f"{row['batch']:>3}/{row['ctx']!s:<8} " + " ".join(
+            f"{row[n]['frac']:>6.3f} {row[n]['us']:>7.1f}" if n in row else f"{'-':>15}"
+            for n in names))
+    errs = {n: max(r[n]["rel_err_vs_bytes"] for r in rows if n in r)
+            for n in names if n not in ("bf16", "copy")}
+    print("max rel err vs bytes:", {k: f"{v:.1e}" for k, v in errs.items()},
+          "NaN:", [n for n in names for r in rows if r.get(n, {}).get("nan")])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--knobs", action="store_true", help="time knobs() instead")
+    ap.add_argument("--pairs", action="store_true", help="time pairs_table() instead")
     args = ap.parse_args()
     if args.ncu:
         ncu_mode()
+        return
+    if args.pairs:
+        t0 = time.monotonic()
+        cp = copy_bandwidth()
+        print(f"copy {cp['tb_s']:.2f} TB/s", flush=True)
+        rows = pairs_table(cp["tb_s"])
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy": cp,
+                                        "rows": rows}, indent=1, default=str))
+        print(f"done in {time.monotonic() - t0:.0f} s")
         return
     if args.knobs:
         cp = copy_bandwidth()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import random
@@ -347,6 +348,37 @@ def hf_generate(model, prompts: list, olens: list, device: torch.device) -> dict
             "seconds_run": elapsed, "tok_s": sum(olens) / elapsed}
 
 
+def decode_overrides(spec: str) -> dict:
+    """"fp8_pairs=0,block_n=64" -> {"fp8_pairs": False, "block_n": 64}, typed by the field's
+    default."""
+    from kernels.decode_attention import DecodeConfig
+    defaults = DecodeConfig()
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, value = item.split("=")
+        kind = type(getattr(defaults, key))
+        out[key] = bool(int(value)) if kind is bool else (
+            None if value == "None" else int(value))
+    return out
+
+
+@contextlib.contextmanager
+def decode_config(overrides: dict):
+    """The engine built inside launches decode attention with `overrides` over
+    DecodeConfig.for_batch's choice (its CUDA graphs capture them)."""
+    from kernels.decode_attention import DecodeConfig
+    if not overrides:
+        yield
+        return
+    orig = DecodeConfig.__dict__["for_batch"]
+    DecodeConfig.for_batch = classmethod(
+        lambda cls, *a, **k: dataclasses.replace(orig.__func__(cls, *a, **k), **overrides))
+    try:
+        yield
+    finally:
+        DecodeConfig.for_batch = orig
+
+
 # ---- the run ----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -370,6 +402,9 @@ def main() -> None:
     ap.add_argument("--gemv-configs", type=Path, default=None,
                     help="a `bench/gpu_fp8.py --sweep gemv --engine` JSON: the batch-1 fp8 "
                          "GEMVs launch with the configs it chose")
+    ap.add_argument("--decode-config", default="",
+                    help="KEY=VALUE,...: DecodeConfig fields over the launcher's choice for every "
+                         "batch (an A/B, e.g. fp8_pairs=0)")
     args = ap.parse_args()
     run = Run(args.out, args.budget)
     device = torch.device(args.device)
@@ -383,7 +418,12 @@ def main() -> None:
         configs = load_gemv_configs(args.gemv_configs)
         run.results["gemv_configs"] = {f"{n}x{k}": c._asdict() for (n, k), c in configs.items()}
         print(f"batch-1 fp8 GEMV configs from {args.gemv_configs}: {configs}", flush=True)
-    with contextlib.nullcontext() if configs is None else gemv_configs(configs):
+    overrides = decode_overrides(args.decode_config)
+    if overrides:
+        run.results["decode_config"] = overrides
+        print(f"decode attention with {overrides} over DecodeConfig.for_batch", flush=True)
+    with (contextlib.nullcontext() if configs is None else gemv_configs(configs),
+          decode_config(overrides)):
         workloads = run_ours(run, args, ceil)
     gc.collect()
     if device.type == "cuda":
