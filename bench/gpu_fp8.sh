@@ -24,7 +24,8 @@
 #             HF float32 on the same weights, next to what W8A8 quantization alone predicts
 #   checkkv   the same with --kv-cache-dtype fp8 as well (reported, not judged)
 #   perf8     bench/gpu_perf.py (llama-3-8b, random weights) T3, T4, T1 with fp8 weights
-#   perf8kv   the same with fp8 weights and an fp8 KV cache
+#   perf8kv   the same with fp8 weights and an fp8 KV cache (after the pairs part: decode attention
+#             with what it timed fastest at T4's shape of bytes, pairs, pf, pairs_r128)
 #   perf8kvs  perf8kv with the batch-1 GEMV configs the gemv part chose (run gemv before)
 #   perf16    the same in bf16: the table beside them
 #   perf16q   perf16's T3 and T4 alone (no T1)
@@ -85,6 +86,16 @@ for part in $PARTS; do
         flags=(); [ "${part#perf16}" = "$part" ] && flags+=(--quantization fp8)
         [ "${part#perf8kv}" != "$part" ] && flags+=(--kv-cache-dtype fp8)
         [ "$part" = perf8kvs ] && flags+=(--gemv-configs "$OUT/fp8_gemv.json")
+        if [ "$part" = perf8kv ] && [ -f "$OUT/fp8_pairs.json" ]; then
+            pick=$(python3 -c 'import json, sys
+r = json.load(open(sys.argv[1]))["rows"][0]
+opts = {"pairs": "", "pf": "prefetch_table=1", "pairs_r128": "max_registers=128",
+        "bytes": "fp8_pairs=0"}
+ok = [n for n in opts if n in r and not r[n]["nan"] and r[n]["rel_err_vs_bytes"] < 1e-2]
+print(opts[min(ok, key=lambda n: r[n]["us"])] if ok else "")' "$OUT/fp8_pairs.json")
+            echo "perf8kv: decode config '$pick' (the pairs part's fastest at T4's shape)"
+            [ -n "$pick" ] && flags+=(--decode-config "$pick")
+        fi
         sections=T3,T4,T1; [ "$part" = perf16q ] && sections=T3,T4
         timeout 170 python3 bench/gpu_perf.py --skip-hf --sections $sections --budget 160 \
             "${flags[@]}" --out "$OUT/perf_$part.json" 2>&1 | tee "$OUT/perf_$part.log" ;;

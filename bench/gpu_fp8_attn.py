@@ -370,16 +370,20 @@ PAIRS_CASES = ((256, None), (32, 1024), (32, 4096), (128, 1024), (128, 4096), (2
 def pairs_variants(base: DecodeConfig) -> dict[str, DecodeConfig]:
     """The fp8 pool read byte-wise (the kernel before fp8_pairs), then read as 16-bit pairs:
     the default and the launch shapes the sm_90 compile (triton 3.6, offline) made worth a
-    try: registers 162 (3 programs a multiprocessor), capped at 128 (4), 64-token tiles (96:
-    5), 8 warps (100: 2 of 8 warps), 256-token tiles of 8 warps and 2 stages (128: 2)."""
+    try, by registers and shared memory (programs a multiprocessor): 162, 41 KB (3); capped
+    at 128 (4); 64-token tiles 96, 23 KB (5); 256-token tiles of 8 warps and 2 stages 128,
+    78 KB (2); the block table a tile ahead (prefetch_table: K/V two buffers deep) 168, 74 KB
+    (3); the same on 64-token tiles 96, 39 KB (5) and with 4 stages 96, 55 KB (4)."""
     rep = dataclasses.replace
+    pf = rep(base, prefetch_table=True)
     return {"bytes": rep(base, fp8_pairs=False), "pairs": base,
             "pairs_r128": rep(base, max_registers=128), "pairs_bn64": rep(base, block_n=64),
-            "pairs_w8": rep(base, num_warps=8),
-            "pairs_bn256_w8": rep(base, block_n=256, num_warps=8, num_stages=2)}
+            "pairs_bn256_w8": rep(base, block_n=256, num_warps=8, num_stages=2),
+            "pf": pf, "pf_bn64": rep(pf, block_n=64), "pf_bn64_st4": rep(pf, block_n=64,
+                                                                           num_stages=4)}
 
 
-def pairs_table(copy_tb_s: float) -> list[dict]:
+def pairs_table(copy_tb_s: float, save=lambda rows: None) -> list[dict]:
     """Decode attention on an fp8 pool read byte-wise and as 16-bit pairs (with launch shape
     variants), the bf16 pool and a copy of the same bytes, at T4's shape and batch 32-256 x
     context 1k-4k; CUDA-graph replays rotating over > L2; errors against the byte-wise read."""
@@ -416,6 +420,7 @@ def pairs_table(copy_tb_s: float) -> list[dict]:
         case = None
         torch.cuda.empty_cache()
         rows.append(row)
+        save(rows)
         print(f"B={batch} ctx={row['ctx']}: " + "  ".join(
             f"{k} {v['us']:.1f}/{v['frac']:.2f}" for k, v in row.items() if isinstance(v, dict)),
             flush=True)
@@ -447,9 +452,9 @@ def main() -> None:
         t0 = time.monotonic()
         cp = copy_bandwidth()
         print(f"copy {cp['tb_s']:.2f} TB/s", flush=True)
-        rows = pairs_table(cp["tb_s"])
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy": cp,
-                                        "rows": rows}, indent=1, default=str))
+        pairs_table(cp["tb_s"], lambda rows: args.out.write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "copy": cp, "rows": rows}, indent=1,
+            default=str)))
         print(f"done in {time.monotonic() - t0:.0f} s")
         return
     if args.knobs:

@@ -80,6 +80,7 @@ class DecodeConfig:
     # even and odd halves (two dots of half the depth each); V needs no fp16 copy through shared
     # memory, and widen_v_first, peel and asm_widen do not apply.
     fp8_pairs: bool = False
+    prefetch_table: bool = False  # fp8_pairs: the block table a tile ahead (K/V buffers deeper)
     max_registers: int | None = None  # triton's maxnreg for stage 1 (compiled only)
 
     @classmethod
@@ -222,12 +223,15 @@ def _attend_pairs(
     stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """The split's online softmax on an fp8 pool read as 16-bit pairs (DecodeConfig.fp8_pairs):
     the head dimension in its even and odd halves, each a dot of half the depth. K and V reach
     shared memory as stored (cp.async) and leave it through 16-bit ldmatrix (V transposed, as a
     16-bit pool's), each pair's two bytes widened in registers; V needs no fp16 copy through
-    shared memory. Returns (m, l, acc) with acc's columns in order (even and odd interleaved)."""
+    shared memory. PREFETCH: the block table a tile ahead, so that triton's pipeliner gives K
+    and V num_stages - 1 buffers (without it, one: their addresses hang on the table's load of
+    the same tile). Returns (m, l, acc), acc's columns in order (even and odd interleaved)."""
     HALF_D: tl.constexpr = BLOCK_D // 2
     offs_c = tl.arange(0, HALF_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -238,10 +242,17 @@ def _attend_pairs(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_lo = tl.zeros([BLOCK_G, HALF_D], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, HALF_D], tl.float32)
+    if PREFETCH:
+        nxt = tl.load(table + (start + offs_n) // BLOCK_SIZE, mask=start + offs_n < end, other=0)
     for tile in range(start, end, BLOCK_N):
         pos = tile + offs_n
         n_mask = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        if PREFETCH:  # the next tile's blocks now: K and V hang on no load of this tile
+            block = nxt.to(tl.int64)
+            nxt = tl.load(table + (pos + BLOCK_N) // BLOCK_SIZE, mask=pos + BLOCK_N < end,
+                          other=0)
+        else:
+            block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         row = (pos % BLOCK_SIZE).to(tl.int64)
         k_row = block * stride_kb + row * stride_kt + kvh * stride_kh
         v_row = k_row if SAME_KV_STRIDES else block * stride_vb + row * stride_vt + kvh * stride_vh
@@ -385,6 +396,7 @@ def _decode_split_kernel(
     WIDEN_V_FIRST: tl.constexpr = False, PEEL: tl.constexpr = False,
     SAME_KV_STRIDES: tl.constexpr = False, ASM_WIDEN: tl.constexpr = False,
     PAIRS: tl.constexpr = False, COMPILED: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     # kv heads fastest: the heads of one sequence run side by side, reading the adjacent
     # 256-byte rows of the same blocks (H200, batch 256 at context 640: 1% faster than the other
@@ -409,7 +421,8 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_pairs(
             q_ptr + b * stride_qb, heads, g_mask, start, end, k_ptr, v_ptr, table, kvh,
             qk_scale, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-            stride_vh, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, SAME_KV_STRIDES, COMPILED)
+            stride_vh, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, SAME_KV_STRIDES, COMPILED,
+            PREFETCH)
     else:
         m_i, l_i, acc = _attend_split(
             q_ptr + b * stride_qb, heads, g_mask, d_mask, start, end, k_ptr, v_ptr, table, kvh,
@@ -561,6 +574,7 @@ def paged_attention_decode(
         F16_DOT=f16_dot, WIDEN_V_FIRST=f16_dot and config.widen_v_first, PEEL=config.peel,
         SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
         ASM_WIDEN=config.asm_widen and compiled, PAIRS=pairs, COMPILED=compiled,
+        PREFETCH=pairs and config.prefetch_table,
         FUSED_MERGE=fused, MERGE_G=next_pow2(group),
         CHUNK_S=_merge_chunk(next_pow2(group), block_d, config.num_warps, 32),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra,

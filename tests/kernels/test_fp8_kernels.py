@@ -272,9 +272,10 @@ def test_decode_attention_fp8_pool_16bit_q(device: str, widen_v_first: bool, pai
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("head_dim", [32, 48])
 def test_decode_attention_fp8_pairs(device: str, head_dim: int, make_paged, check_rel) -> None:
-    """The pool read as 16-bit pairs (DecodeConfig.fp8_pairs) computes what the byte-wise read
-    does: K and V pools of other strides (V a slice of a wider pool), one split or three, a
-    partial last tile; head_dim 48 (no power of two) takes the byte-wise read."""
+    """The pool read as 16-bit pairs (DecodeConfig.fp8_pairs, with the block table read a tile
+    ahead or not) computes what the byte-wise read does: K and V pools of other strides (V a
+    slice of a wider pool), one split or three, a partial last tile; head_dim 48 (no power of
+    two) takes the byte-wise read."""
     h, kvh = 8, 2
     lens = [64, 5, 77, 1, 130]
     k, v, tables = make_paged(lens, 16, kvh, head_dim, F32, device)
@@ -288,14 +289,16 @@ def test_decode_attention_fp8_pairs(device: str, head_dim: int, make_paged, chec
                                             head_dim ** -0.5)
     for num_splits, fused in ((1, False), (3, True), (3, False)):
         outs = []
-        for pairs in (True, False):
-            cfg = DecodeConfig(block_n=32, fused_merge=fused, fp8_pairs=pairs)
+        for pairs, ahead in ((True, False), (True, True), (False, False)):
+            cfg = DecodeConfig(block_n=32, fused_merge=fused, fp8_pairs=pairs,
+                               prefetch_table=ahead)
             out = torch.full_like(q, float("nan"))
             paged_attention_decode(q, k, v, tables, seq_lens, head_dim ** -0.5, out=out,
                                    num_splits=num_splits, config=cfg)
             outs.append(out.float())
         check_rel(outs[0], want, 1e-2)
-        check_rel(outs[0], outs[1], 5e-3)  # the same products, summed in another order
+        check_rel(outs[0], outs[1], 1e-6)  # the same arithmetic, loads in another order
+        check_rel(outs[0], outs[2], 5e-3)  # the same products, summed in another order
 
 
 @pytest.mark.parametrize("device", DEVICES)
