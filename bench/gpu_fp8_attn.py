@@ -371,16 +371,13 @@ def pairs_variants(base: DecodeConfig) -> dict[str, DecodeConfig]:
     """The fp8 pool read byte-wise (the kernel before fp8_pairs), then read as 16-bit pairs:
     the default and the launch shapes the sm_90 compile (triton 3.6, offline) made worth a
     try, by registers and shared memory (programs a multiprocessor): 162, 41 KB (3); capped
-    at 128 (4); 64-token tiles 96, 23 KB (5); 256-token tiles of 8 warps and 2 stages 128,
-    78 KB (2); the block table a tile ahead (prefetch_table: K/V two buffers deep) 168, 74 KB
-    (3); the same on 64-token tiles 96, 39 KB (5) and with 4 stages 96, 55 KB (4)."""
+    at 128 (4); 64-token tiles 96, 23 KB (5); the block table a tile ahead (prefetch_table:
+    K/V two buffers deep) 168, 74 KB (3); the same on 64-token tiles 96, 39 KB (5)."""
     rep = dataclasses.replace
     pf = rep(base, prefetch_table=True)
     return {"bytes": rep(base, fp8_pairs=False), "pairs": base,
             "pairs_r128": rep(base, max_registers=128), "pairs_bn64": rep(base, block_n=64),
-            "pairs_bn256_w8": rep(base, block_n=256, num_warps=8, num_stages=2),
-            "pf": pf, "pf_bn64": rep(pf, block_n=64), "pf_bn64_st4": rep(pf, block_n=64,
-                                                                           num_stages=4)}
+            "pf": pf, "pf_bn64": rep(pf, block_n=64)}
 
 
 def pairs_table(copy_tb_s: float, save=lambda rows: None) -> list[dict]:
