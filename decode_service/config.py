@@ -24,12 +24,18 @@ class DecodeServiceConfig(InstanceConfig):
                                      "a stream that waits on the device for the prefill's step "
                                      "(else a thread waits for it on the host, then queues the "
                                      "copy)")
+    admit_wait_ms: float = opt(2.0, "on a GPU, after admitting a handed-off request to an idle "
+                               "engine, the event loop waits up to this long for the engine's "
+                               "launch of its first step, leaving the engine's thread the GIL "
+                               "(token 2's critical path); 0 never waits")
     peer_check_s: float = opt(1.0, "while a request waits for its KV, how often the prefill "
                               "instance's registry record is checked; when it is gone the "
                               "reserved blocks are freed")
 
     def __post_init__(self) -> None:
         InstanceConfig.__post_init__(self)
+        if self.admit_wait_ms < 0:
+            raise ValueError("--admit-wait-ms must be >= 0")
         if min(self.pull_timeout_s, self.deliver_wait_s, self.peer_check_s) <= 0:
             raise ValueError("--pull-timeout-s, --deliver-wait-s and --peer-check-s must be "
                              "positive")

@@ -195,14 +195,24 @@ class _PullAttributes:
 class HandoffInbox:
     def __init__(self, registry: Registry, loop: EngineLoop, timeout_s: float,
                  metrics: DecodeMetrics, *, wait_s: float = 5.0, peer_check_s: float = 1.0,
-                 tls: TlsConfig = PLAINTEXT, early_copy_on_device: bool = True):
+                 tls: TlsConfig = PLAINTEXT, early_copy_on_device: bool = True,
+                 admit_wait_ms: float = 0.0):
         """timeout_s: the longest a pull may take. tls: this service's TlsConfig; grpc pulls dial
         prefill services with it. early_copy_on_device: an early ring's copy is queued at once
         behind a wait on the device for the prefill's event (else when a thread has seen the
-        event complete)."""
+        event complete). admit_wait_ms: after admitting a request to an idle engine on a GPU,
+        the admitting thread waits up to this long for the engine's next launch (its first
+        step), leaving the engine's thread the GIL; 0: never."""
         self.registry = registry
         self.loop = loop
         self.early_copy_on_device = early_copy_on_device
+        self.admit_wait_s = admit_wait_ms / 1e3
+        # Set after each launch of the engine (a step listener), when admit_wait_s is used.
+        self._launched = threading.Event()
+        if self.admit_wait_s > 0 and loop.engine.kv_cache.is_cuda:
+            loop.engine.runner.step_listeners.append(lambda _timing: self._launched.set())
+        else:
+            self.admit_wait_s = 0.0
         self.wait_s = wait_s
         self.peer_check_s = peer_check_s
         self.receiver = KVReceiver(timeout_s=timeout_s, tls=tls)
@@ -684,8 +694,14 @@ class HandoffInbox:
         taken = Taken(blocks, first_token_id, slot.reserve_ms, handoff_ms,
                       first_token_unix_s=first_token_unix_s, marks=slot.marks)
         if slot.admit is not None:
+            # An idle engine launches the request's first step at once: its launch is token
+            # 2's critical path, so this thread leaves it the GIL until then (admit_wait_s).
+            wait = self.admit_wait_s > 0 and not self.loop.engine.num_running
+            self._launched.clear()
             taken.admitted_unix_s = slot.marks["admitted"] = time.time()
             taken.admitted = slot.admit(taken)
+            if wait and self._launched.wait(self.admit_wait_s):
+                slot.marks["first step launched"] = time.time()
         slot.delivered.set_result(taken)
         return True, ""
 

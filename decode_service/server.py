@@ -36,7 +36,8 @@ async def serve(config: DecodeServiceConfig, engine_config: EngineConfig,
     metrics = DecodeMetrics(engine.model_name, config.slo.objective, instance.engine_stats)
     inbox = HandoffInbox(registry, instance.loop, config.pull_timeout_s, metrics,
                          wait_s=config.deliver_wait_s, peer_check_s=config.peer_check_s, tls=tls,
-                         early_copy_on_device=config.early_copy_on_device)
+                         early_copy_on_device=config.early_copy_on_device,
+                         admit_wait_ms=config.admit_wait_ms)
     # The engine thread's express replies to gateways of this host (plaintext only).
     lane = ExpressReplier() if config.express and not tls.serves_tls else None
     server.add(Service(DecodeServicer(instance, inbox, metrics, lane),
