@@ -23,28 +23,27 @@ Context split of one sequence (tiles of BLOCK_N tokens, splits of whole tiles):
 
 Rows whose seq_len is 0 (batch padding) come out as zeros.
 
-An fp8 pool under a 16-bit q: K and V tiles are widened to fp16 for the two dots (cp.async
-brings the fp8 tile to shared memory; K is widened in registers after ldmatrix, V before or
-after shared memory, DecodeConfig.widen_v_first). Tried and dropped (H200, 2026-12-02, bench/
-RESULTS.md "eighth session, issue 19"): QK^T on fp8 tensor cores with K as stored (S^T = K q^T
-as an fp8 wgmma, q split into e4m3 hi + lo for bf16's precision; triton gives small-M fp8 dots
-no fp8 mma.sync on sm_90): 5-17% slower than widening K, the transposition of S^T and the
-wgmma's wait each tile costing more than the conversions it saved.
+An fp8 pool under a 16-bit q is read as 16-bit pairs (DecodeConfig.fp8_pairs, the engine's way):
+int16 tiles of [BLOCK_N, head_dim / 2] go to shared memory by cp.async as stored, leave it
+through 16-bit ldmatrix (V's transposed, as a bf16 pool's) and are split in registers into the
+even and odd halves of the head dimension, each widened to fp16 (one prmt and two
+cvt.rn.f16x2.e4m3x2 for four bytes); QK^T and PV are two dots of half the depth each, and the
+two halves of acc are interleaved once at the end. The byte-wise read it replaced (the fallback
+for a float32 q or a head_dim not a power of two) widens K after ldmatrix and V before shared
+memory (ldmatrix has no transposing 8-bit form on sm_90: fp8 V goes to the dot in single bytes,
+LDS.U8, unless widened first, DecodeConfig.widen_v_first), which costs V an fp16 copy through
+shared memory: 1258 instructions a thread a 128-token tile, 162 registers, 74 KB, 0.54-0.65 of
+copy at batch 128-256 (H200, bench/RESULTS.md "tenth" and "twelfth session, issue 19"; Nsight
+Compute: latency-bound, no warp eligible in 54% of the cycles). The pairs read: 734
+instructions, 162 registers, 41 KB (sm_90, triton 3.6), 0.71-0.89 of copy at batch 128-256,
+0.75 with the block table a tile ahead at T4's shape (batch 256, context 512..768) and 0.86-0.93
+at context 4k with 128 registers (bench/RESULTS.md "thirteenth session, issue 19").
 
-What sets the fp8 pace (H200, 2026-12-03, bench/RESULTS.md "tenth session, issue 19"; Nsight
-Compute at batch 128, context 4096): latency, not bytes or issue. 162 registers a thread leave 3
-programs (12 warps) a multiprocessor, no warp eligible in 54% of the cycles, DRAM at 56% of its
-peak. DecodeConfig.peel + asm_widen take the whole-tile loop from 1192 to 728 instructions a
-thread a tile (sm_90 SASS) yet run slower, their 194 registers leaving 2 programs. A loop that
-only reads K and V through the block tables, on the same grid, reaches 0.45-0.83 of copy at
-batch 32-256 and context 1k-4k; V stored transposed in each block (a variant, 230 registers)
-ran no faster. More bytes in flight a multiprocessor (fewer registers, more tokens a program)
-is the way toward 0.85, not fewer instructions. Tried and dropped (H200, 2026-12-03, bench/
-RESULTS.md "twelfth session, issue 19"): two kv heads a program, a tile's rows alternating
-between them so each token's rows of both come as one 256-byte run and their query heads fill
-the dots' padding rows: as fast at batch 256 (ctx 512-768: 152 against 149 us; 1k: 209 against
-208), 10% slower at batch 128 / 4k, slower still with tiles of twice the rows. The 128-byte
-rows of an fp8 pool are not what holds it at 0.54-0.63 of copy.
+Tried and dropped on the byte-wise read (bench/RESULTS.md "eighth", "tenth", "twelfth session,
+issue 19"): QK^T on fp8 tensor cores with K as stored (q split into e4m3 hi + lo; 5-17% slower);
+the whole tiles without masks and V widened by inline asm (DecodeConfig.peel, asm_widen: 39% fewer
+instructions, 194 registers, 3-8% slower); V stored transposed in each block (230 registers, no
+faster); two kv heads a program (as fast at batch 256, 10% slower at batch 128 / 4k).
 """
 
 from __future__ import annotations
@@ -59,6 +58,7 @@ from kernels.checks import FLOAT_DTYPES, cdiv, check_tensor, multiprocessors, ne
 from kernels.kv_store import KV_DTYPES
 
 LOG2E = 1.4426950408889634
+WAVES = 4  # DecodeConfig.waves' default
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class DecodeConfig:
     block_n: int = 64      # tokens per K/V tile
     num_warps: int = 4
     num_stages: int = 3
-    waves: int = 4         # default_num_splits aims at about this many programs per multiprocessor
+    waves: int = WAVES     # default_num_splits aims at about this many programs per multiprocessor
     fused_merge: bool = False  # splits > 1: merge in stage 1 (last ticket) instead of a 2nd launch
     widen_v_first: bool = True  # an fp8 pool under a 16-bit q: V to fp16 before shared memory
     # Off by default: on the H200 (bench/RESULTS.md "tenth session, issue 19") these cut the
@@ -97,7 +97,12 @@ class DecodeConfig:
                             and the one merging program reads too much (batch 1: 6.7 vs 7.4)
 
         An fp8 pool (fp8) is read as 16-bit pairs (fp8_pairs, where the launch allows it; the
-        V settings below are for the launches it does not), and takes 128-token tiles where a
+        V settings below are for the launches it does not), with the block table a tile ahead
+        where there is one split (prefetch_table: batch 256 at context 512..768 106 against 113
+        us, 0.75 of copy against 0.71; 1k 0.84 against 0.79), else at most 128 registers a
+        thread, 4 programs a multiprocessor where 3 left 2 splits of batch 32 in 1.3 waves (1k:
+        0.53 against 0.46, 4k: 0.75 against 0.60; H200, bench/RESULTS.md "thirteenth session,
+        issue 19"). It takes 128-token tiles where a
         bf16 one takes 64: half the bytes a tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch
         32-256 at 1k-4k: 0.41-0.56 of copy against 0.32-0.45 with 64; 64 was slower than 32
         there; measured before fp8_pairs existed). Above 2 programs a
@@ -107,8 +112,11 @@ class DecodeConfig:
         """
         programs, sms = batch * kv_heads, _processor_count(device)
         wide = 128 if fp8 else 64
+        one_split = programs >= WAVES * sms  # default_num_splits' choice, whatever the context
         return cls(block_n=32 if 2 * programs <= sms else wide, fused_merge=8 * programs > sms,
-                   widen_v_first=not fp8 or programs > 2 * sms, fp8_pairs=fp8)
+                   widen_v_first=not fp8 or programs > 2 * sms, fp8_pairs=fp8,
+                   prefetch_table=fp8 and one_split,
+                   max_registers=128 if fp8 and not one_split else None)
 
 
 @dataclass(frozen=True, slots=True)
