@@ -368,16 +368,43 @@ PAIRS_CASES = ((256, None), (32, 1024), (32, 4096), (128, 1024), (128, 4096), (2
 
 
 def pairs_variants(base: DecodeConfig) -> dict[str, DecodeConfig]:
-    """The fp8 pool read byte-wise (the kernel before fp8_pairs), then read as 16-bit pairs:
-    the default and the launch shapes the sm_90 compile (triton 3.6, offline) made worth a
-    try, by registers and shared memory (programs a multiprocessor): 162, 41 KB (3); capped
-    at 128 (4); 64-token tiles 96, 23 KB (5); the block table a tile ahead (prefetch_table:
-    K/V two buffers deep) 168, 74 KB (3); the same on 64-token tiles 96, 39 KB (5)."""
+    """The fp8 pool read byte-wise (the kernel before fp8_pairs), DecodeConfig.for_batch's
+    choice (`default`: pairs, with the table a tile ahead at one split, else 128 registers),
+    then pairs with other launch shapes, by registers and shared memory (sm_90, triton 3.6,
+    offline; programs a multiprocessor): plain 162, 41 KB (3); capped at 128 (4); the table a
+    tile ahead (prefetch_table: K/V two buffers deep) 168, 74 KB (3); the same with 8 warps 80,
+    74 KB (3 of 8 warps); plain with 8 warps capped at 80 (12 spills; 3 of 8 warps)."""
     rep = dataclasses.replace
-    pf = rep(base, prefetch_table=True)
-    return {"bytes": rep(base, fp8_pairs=False), "pairs": base,
-            "pairs_r128": rep(base, max_registers=128), "pairs_bn64": rep(base, block_n=64),
-            "pf": pf, "pf_bn64": rep(pf, block_n=64)}
+    plain = rep(base, prefetch_table=False, max_registers=None)
+    return {"bytes": rep(plain, fp8_pairs=False), "default": base, "pairs": plain,
+            "pairs_r128": rep(plain, max_registers=128),
+            "pf": rep(plain, prefetch_table=True),
+            "pf_w8": rep(plain, prefetch_table=True, num_warps=8),
+            "pairs_w8_r80": rep(plain, num_warps=8, max_registers=80)}
+
+
+# pairs_variants' names -> gpu_perf.py --decode-config over for_batch's choice at T4's batch
+T4_OVERRIDES = {"default": "", "pf": "", "pf_w8": "num_warps=8",
+                "pairs_r128": "prefetch_table=0,max_registers=128",
+                "pairs_w8_r80": "prefetch_table=0,num_warps=8,max_registers=80"}
+
+
+def batch1_rows(copy_tb_s: float) -> list[dict]:
+    """T3's attention (batch 1, context 576): for_batch's choice with its split count and
+    fewer, both merges, against the byte-wise read."""
+    from gpu_fp8_step import _attn_case
+    dev = torch.device("cuda")
+    case = _attn_case(1, 576, True)
+    base = DecodeConfig.for_batch(1, KVH, dev, fp8=True)
+    n0 = default_num_splits(1, KVH, 4096, dev, base)  # the engine's table holds >= 4k tokens
+    rows = []
+    for name, cfg, splits in [("bytes", dataclasses.replace(base, fp8_pairs=False), n0)] + [
+            (f"pairs_s{n}{'_fused' if fused else ''}", dataclasses.replace(base, fused_merge=fused),
+             n) for n in sorted({n0, 32, 16, 8}, reverse=True) for fused in (False, True)]:
+        t = case.time(splits, cfg, eager=False)
+        rows.append({"name": name, "splits": splits, "us": t["us"], "frac": t["tb_s"] / copy_tb_s})
+        print(f"batch 1 ctx 576 {name:<18} {splits:>3} splits {t['us']:6.2f} us", flush=True)
+    return rows
 
 
 def pairs_table(copy_tb_s: float, save=lambda rows: None) -> list[dict]:
@@ -449,9 +476,13 @@ def main() -> None:
         t0 = time.monotonic()
         cp = copy_bandwidth()
         print(f"copy {cp['tb_s']:.2f} TB/s", flush=True)
-        pairs_table(cp["tb_s"], lambda rows: args.out.write_text(json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "copy": cp, "rows": rows}, indent=1,
-            default=str)))
+        result = {"gpu": torch.cuda.get_device_name(), "copy": cp}
+
+        def save(rows: list[dict], key: str = "rows") -> None:
+            result[key] = rows
+            args.out.write_text(json.dumps(result, indent=1, default=str))
+        pairs_table(cp["tb_s"], save)
+        save(batch1_rows(cp["tb_s"]), "batch1")
         print(f"done in {time.monotonic() - t0:.0f} s")
         return
     if args.knobs:
