@@ -92,12 +92,13 @@ def test_an_early_copy_waits_for_the_sources_event(pool_owner) -> None:
 def test_an_early_copy_queued_at_once_waits_on_the_device(pool_owner) -> None:
     """--early-copy-on-device: the copy is queued before the source's work ends, on a stream of
     its own that waits for the source's interprocess event on the device; it copies the blocks
-    as that work wrote them. The stream is handed out again only once its copy completed."""
+    as that work wrote them. The stream is handed out again only once its copy completed. (The
+    source's work lasts ~2 s: a first launch in this process may compile its kernel.)"""
     import base64
     owner = pool_owner("cuda", 12, SHAPE, [3, 4, 9, 0])
     desc = owner.desc
     transport = KVReceiver().transport("cuda_ipc")
-    handle = base64.b64decode(owner.command("late_scribble 9"))
+    handle = base64.b64decode(owner.command("long_scribble 9"))
     offer = desc.transports["cuda_ipc"]
     dst = torch.zeros([2, 2, 8, 4, 2, 8], device="cuda")
     streams = WaitingStreams()
@@ -107,7 +108,7 @@ def test_an_early_copy_queued_at_once_waits_on_the_device(pool_owner) -> None:
                                         transport.open_event(offer, handle))
         host, done = launch()
     streams.give(stream, done)
-    assert not done.query()  # the source's ~0.1 s of work is still running
+    assert not done.query()  # the source's ~2 s of work is still running
     assert streams.take(dst.device) is not stream
     done.synchronize()
     want = _seeded_pool(12, SHAPE)
@@ -139,6 +140,7 @@ def test_a_source_that_dies_mid_step_strands_only_its_copys_stream(pool_owner) -
         _, done = transport.prepare_copy(offer, list(desc.block_ids), dst, [6, 1, 2, 7],
                                          transport.open_event(offer, handle))()
     streams.give(stream, done)
+    assert not done.query()  # the source's ~2 s of work is still running
     owner.kill()
     x = torch.ones(4, device="cuda")
     assert (x + 1).sum().item() == 8  # the default stream goes on
