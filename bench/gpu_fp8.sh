@@ -17,6 +17,8 @@
 #   step      bench/gpu_fp8_step.py --promoted: _scaled_mm's fast accumulation off and on (time,
 #             error), decode attention's split count and tile at T4's shape, the engine's
 #             batch-256 step profiled without and with fast accumulation
+#   tgemm     bench/gpu_fp8_step.py --parts tgemm: fp8_linear.scaled_mm_triton's tiles beside
+#             _scaled_mm on the four projections at M = 256 and 1024
 #   gemv      bench/gpu_fp8.py --sweep gemv --engine: the batch-1 fp8 GEMVs' launch parameters
 #             and reductions (weights rotating over > L2), then the engine's batch-1 fp8 step
 #             profiled with the default configs and with the sweep's best
@@ -72,6 +74,8 @@ for part in $PARTS; do
             | grep -v Warn | tee "$OUT/fp8_pairs.log" ;;
     step) timeout 240 python3 bench/gpu_fp8_step.py --promoted --out "$OUT/fp8_step.json" 2>&1 \
             | tee "$OUT/fp8_step.log" ;;
+    tgemm) timeout 150 python3 bench/gpu_fp8_step.py --parts tgemm --out "$OUT/fp8_tgemm.json" \
+            2>&1 | grep -v Warn | tee "$OUT/fp8_tgemm.log" ;;
     gemv) timeout 240 python3 bench/gpu_fp8.py --sweep gemv --engine \
             --out "$OUT/fp8_gemv.json" 2>&1 | tee "$OUT/fp8_gemv.log" ;;
     kernels) timeout 150 python3 bench/gpu_fp8.py --out "$OUT/fp8_kernels.json" 2>&1 \
@@ -114,6 +118,7 @@ tail -n 3 "$OUT/fp8_tests.log" "$OUT/fp8_mmtests.log" "$OUT/fp8_atests.log" 2>/d
 sed -n '/^fraction of copy/,$p' "$OUT/fp8_pairs.log" 2>/dev/null | grep -v "^batch 1"
 grep "^batch 1" "$OUT/fp8_pairs.log" 2>/dev/null
 grep -E "^copy|^gemm|^attn|^engine|^    " "$OUT/fp8_step.log" 2>/dev/null
+grep -E "^tgemm" "$OUT/fp8_tgemm.log" 2>/dev/null
 grep -E "^copy|x[0-9.]+ *$|x[0-9.]+  |decode B=" "$OUT/fp8_kernels.log" 2>/dev/null
 grep -E "^decode fp8" "$OUT/fp8_dsweep.log" 2>/dev/null
 grep -E "^gemv fp8|^engine batch|^    " "$OUT/fp8_gemv.log" 2>/dev/null

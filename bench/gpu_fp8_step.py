@@ -6,6 +6,9 @@ count and tile at T4's shape.
           and 8192, use_fast_accum off and on: time (CUDA-graph replays over weight copies that
           rotate past the L2), TFLOP/s, and each one's relative error against float32
           arithmetic on the same fp8 values (beside the bf16 output's rounding alone)
+  tgemm   fp8_linear.scaled_mm_triton (smaller tiles than cuBLASLt's 128 x 128, which leave
+          o and down at M = 256 64 tiles for 132 multiprocessors) beside _scaled_mm at M = 256
+          and 1024: time and error (thirteenth session; not in the default parts)
   attn    decode attention at T4's shape (batch 256, contexts 512..768): on an fp8 pool the
           launch DecodeConfig.for_batch / default_num_splits choose (128-token tiles, one
           split) beside 64-token tiles and 2 or 4 splits with the fused merge; on a bf16 pool
@@ -86,6 +89,48 @@ def gemm(copy_tb_s: float) -> list[dict]:
                   f"{row['fast_rel_err']:.2e})  x{row['speedup']:.3f}  bf16 rounding "
                   f"{row['bf16_rounding_rel_err']:.2e}", flush=True)
             del x, xq, copies, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
+TGEMM_CONFIGS = {  # fp8_linear.GemmConfig: (block_m, block_n, block_k, warps, stages)
+    "64x128": (64, 128, 128, 4, 4), "64x64": (64, 64, 128, 4, 5),
+    "128x64": (128, 64, 128, 4, 4), "128x128": (128, 128, 128, 8, 4),
+}
+
+
+def tgemm(copy_tb_s: float) -> list[dict]:
+    """fp8_linear.scaled_mm_triton in each of TGEMM_CONFIGS beside _scaled_mm (fast
+    accumulation) on the four projections at M = 256 (T4) and 1024, weights rotating past the
+    L2; errors against float32 arithmetic on the same fp8 values."""
+    rows = []
+    for m in (256, 1024):
+        for name, (n, k) in PROJECTIONS.items():
+            xq, xs = fp8_linear.quantize_per_token(torch.randn(m, k, device="cuda", dtype=BF16))
+            q, s = torch_quantized(n, k)
+            copies = [q] + [q.clone() for _ in range(max(0, min(7, math.ceil(
+                L2_DEFEAT_BYTES / (n * k)) - 1)))]
+            ref = (xq.float() * xs) @ (q.float() * s[:, None]).t()
+            row = {"proj": name, "m": m, "n": n, "k": k, "cublaslt_us": 1e3 * _graphed_rotating_ms(
+                [functools.partial(fp8_linear.fp8_linear_prequantized, xq, xs, w, s, None, BF16)
+                 for w in copies])}
+            for label, (bm, bn, bk, w, st) in TGEMM_CONFIGS.items():
+                cfg = fp8_linear.GemmConfig(bm, bn, bk, 8, w, st)
+                try:
+                    out = fp8_linear.scaled_mm_triton(xq, xs, q, s, None, BF16, cfg)
+                    us = 1e3 * _graphed_rotating_ms([functools.partial(
+                        fp8_linear.scaled_mm_triton, xq, xs, c, s, None, BF16, cfg)
+                        for c in copies])
+                except Exception as e:  # a tile the compiler refuses: the others still count
+                    print(f"  tgemm {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                row[label] = {"us": us, "rel_err": _rel(out.float(), ref),
+                              "tflops": 2 * m * n * k / (us * 1e-6) / 1e12}
+            rows.append(row)
+            print(f"tgemm {name:>8} M={m:<5} cuBLASLt {row['cublaslt_us']:7.1f} us  " + "  ".join(
+                f"{lb} {row[lb]['us']:7.1f} ({row[lb]['rel_err']:.1e})" for lb in TGEMM_CONFIGS
+                if lb in row), flush=True)
+            del xq, copies, ref
             torch.cuda.empty_cache()
     return rows
 
@@ -183,7 +228,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="gemm,attn,engine",
-                    help="comma-separated: gemm, attn, engine")
+                    help="comma-separated: gemm, tgemm, attn, engine")
     ap.add_argument("--promoted", action="store_true",
                     help="engine: also the step without fast accumulation")
     args = ap.parse_args()
@@ -194,7 +239,7 @@ def main() -> None:
     copy_tb_s = result["copy"]["tb_s"]
     print(f"copy {copy_tb_s:.2f} TB/s; matmul bf16 {result['matmul']['bf16_tflops']:.0f}, "
           f"fp8 (promoted) {result['matmul']['fp8_tflops']:.0f} TFLOP/s", flush=True)
-    for name, fn in (("gemm", gemm), ("attn", attn),
+    for name, fn in (("gemm", gemm), ("tgemm", tgemm), ("attn", attn),
                      ("engine", lambda _: engine(args.promoted))):
         if name not in parts:
             continue

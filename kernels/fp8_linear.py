@@ -30,6 +30,8 @@ model's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -112,3 +114,94 @@ def fp8_linear_prequantized(xq: torch.Tensor,                 # [M, K] fp8 e4m3f
     out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=weight_scale.view(1, n),
                            out_dtype=out_dtype, use_fast_accum=fast_accum)
     return out if bias is None else out.add_(bias)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """Tiles of scaled_mm_triton. Its reason to exist: cuBLASLt's 128 x 128 tiles give M = 256
+    and N = 4096 (o, down) 64 tiles for the H200's 132 multiprocessors, qkv 96 (twelfth
+    session's profile: o 14.3 us, down 38.4, against 6.6 and 23 at the fp8 rate); 64-row
+    tiles give them 128 and 192. Not yet timed on a GPU: bench/gpu_fp8_step.py --part tgemm."""
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    group_m: int = 8       # row tiles that share a column of the weight, for L2 reuse
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr,                 # [M, K] fp8 e4m3fn, row-major
+    b_ptr,                 # [N, K] fp8 e4m3fn, row-major (the weight)
+    c_ptr,                 # [M, N]
+    a_scale_ptr,           # [M] float32
+    b_scale_ptr,           # [N] float32
+    bias_ptr,              # [N] or a dummy
+    M, N, K, stride_am, stride_bn, stride_cm,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """c = (a @ b^T) * a_scale[:, None] * b_scale[None, :] (+ bias); K a multiple of BLOCK_K.
+    Tiles are taken GROUP_M row tiles at a time down each column of tiles."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = pid // per_group * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    acc *= tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    acc *= tl.load(b_scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def scaled_mm_triton(xq: torch.Tensor,                 # [M, K] fp8 e4m3fn
+                     xs: torch.Tensor,                 # [M, 1] float32
+                     qweight: torch.Tensor,            # [N, K] fp8 e4m3fn, row-major
+                     weight_scale: torch.Tensor,       # [N] float32
+                     bias: torch.Tensor | None = None,  # [N]
+                     out_dtype: torch.dtype = torch.bfloat16,
+                     config: GemmConfig | None = None,
+                     ) -> torch.Tensor:                # [M, N] out_dtype
+    """fp8_linear_prequantized's product in a Triton kernel (float32 accumulation over the
+    whole K, as fast_accum's), for shapes where cuBLASLt's tiles leave multiprocessors idle."""
+    config = config or GemmConfig()
+    m, k = xq.shape
+    n = qweight.shape[0]
+    check_tensor("xq", xq, dim=2, dtypes=(FP8,))
+    check_tensor("qweight", qweight, shape=(n, k), dtypes=(FP8,), device=xq.device)
+    check_tensor("xs", xs, shape=(m, 1), dtypes=(torch.float32,), device=xq.device)
+    check_tensor("weight_scale", weight_scale, shape=(n,), dtypes=(torch.float32,),
+                 device=xq.device)
+    if k % config.block_k:
+        raise ValueError(f"scaled_mm_triton: K = {k} is not a multiple of {config.block_k}")
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _scaled_mm_kernel[grid](
+        xq, qweight, out, xs, weight_scale, bias if bias is not None else out,
+        m, n, k, xq.stride(0), qweight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out

@@ -40,6 +40,26 @@ def _fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor
     return q, scale.view(-1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_mm_triton(device: str, check_rel) -> None:
+    """fp8_linear.scaled_mm_triton = the float32 product of the same fp8 values times both
+    scales (plus bias): M not a multiple of the row tile, N not of the column tile, row tiles
+    grouped; on the GPU also T4's M = 256 on o's and down's shapes."""
+    small = fp8_linear.GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2)
+    shapes = [(37, 80, 96, small)] if device == "cpu" else [
+        (37, 80, 256, None), (256, 4096, 4096, None), (256, 4096, 14336, None),
+        (1000, 6144, 4096, fp8_linear.GemmConfig(block_m=128, block_n=128))]
+    for m, n, k, cfg in shapes:
+        q, scale = _fp8_weight(n, k, device)
+        x = torch.randn(m, k, device=device) * torch.logspace(-2, 2, m, device=device)[:, None]
+        xq, xs = torch_ops.quantize_rows(x)
+        bias = torch.randn(n, device=device).to(BF16)
+        out = fp8_linear.scaled_mm_triton(xq, xs, q, scale, bias, BF16, cfg)
+        assert out.shape == (m, n) and out.dtype == BF16
+        want = (xq.float() @ q.float().t()) * xs * scale[None, :] + bias.float()
+        check_rel(out.float(), want, 6e-3)
+
+
 def test_quantize_rows_reference() -> None:
     """Scale = amax / 448 per row; dequantized values within half an e4m3 step; saturation
     instead of NaN; an all-zero row keeps a positive scale."""
