@@ -99,10 +99,11 @@ class DecodeConfig:
         An fp8 pool (fp8) is read as 16-bit pairs (fp8_pairs, where the launch allows it; the
         V settings below are for the launches it does not), with the block table a tile ahead
         where there is one split (prefetch_table: batch 256 at context 512..768 106 against 113
-        us, 0.75 of copy against 0.71; 1k 0.84 against 0.79), else at most 128 registers a
-        thread, 4 programs a multiprocessor where 3 left 2 splits of batch 32 in 1.3 waves (1k:
-        0.53 against 0.46, 4k: 0.75 against 0.60; H200, bench/RESULTS.md "thirteenth session,
-        issue 19"). It takes 128-token tiles where a
+        us, 0.75 of copy against 0.71; 1k 0.84 against 0.79), else, on 128-token tiles, at
+        most 128 registers a thread, 4 programs a multiprocessor where 3 left 2 splits of batch
+        32 in 1.3 waves (1k: 0.53 against 0.46, 4k: 0.75 against 0.60; H200, bench/RESULTS.md
+        "thirteenth session, issue 19"; not on 32-token tiles, unmeasured there, where the cap
+        spills in the fused merge's loop). It takes 128-token tiles where a
         bf16 one takes 64: half the bytes a tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch
         32-256 at 1k-4k: 0.41-0.56 of copy against 0.32-0.45 with 64; 64 was slower than 32
         there; measured before fp8_pairs existed). Above 2 programs a
@@ -113,10 +114,11 @@ class DecodeConfig:
         programs, sms = batch * kv_heads, _processor_count(device)
         wide = 128 if fp8 else 64
         one_split = programs >= WAVES * sms  # default_num_splits' choice, whatever the context
-        return cls(block_n=32 if 2 * programs <= sms else wide, fused_merge=8 * programs > sms,
+        few = 2 * programs <= sms
+        return cls(block_n=32 if few else wide, fused_merge=8 * programs > sms,
                    widen_v_first=not fp8 or programs > 2 * sms, fp8_pairs=fp8,
                    prefetch_table=fp8 and one_split,
-                   max_registers=128 if fp8 and not one_split else None)
+                   max_registers=128 if fp8 and not one_split and not few else None)
 
 
 @dataclass(frozen=True, slots=True)

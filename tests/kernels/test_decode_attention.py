@@ -164,7 +164,8 @@ def test_rejects_bad_arguments() -> None:
 def test_config_for_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """By the programs batch x kv heads make, on an H200's 132 multiprocessors: 32-token tiles
     up to half of them, 64 above (fp8: 128, read as 16-bit pairs, the table a tile ahead with
-    one split, else 128 registers); the fused merge above an eighth; the rest the defaults."""
+    one split, else 128 registers on 128-token tiles); the fused merge above an eighth; the
+    rest the defaults."""
     monkeypatch.setattr(decode_attention, "_processor_count", lambda device: 132)
     cpu = torch.device("cpu")
     assert DecodeConfig.for_batch(1, 8, cpu) == DecodeConfig(block_n=32)
@@ -179,6 +180,8 @@ def test_config_for_batch(monkeypatch: pytest.MonkeyPatch) -> None:
         block_n=128, fused_merge=True, widen_v_first=False, fp8_pairs=True, max_registers=128)
     assert DecodeConfig.for_batch(64, 8, cpu, fp8=True) == DecodeConfig(
         block_n=128, fused_merge=True, widen_v_first=True, fp8_pairs=True, max_registers=128)
+    assert DecodeConfig.for_batch(8, 8, cpu, fp8=True) == DecodeConfig(
+        block_n=32, fused_merge=True, widen_v_first=False, fp8_pairs=True)
     # one split from 4 programs a multiprocessor up (default_num_splits): the table a tile ahead
     assert DecodeConfig.for_batch(66, 8, cpu, fp8=True) == DecodeConfig(
         block_n=128, fused_merge=True, widen_v_first=True, fp8_pairs=True, prefetch_table=True)
