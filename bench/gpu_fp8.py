@@ -11,8 +11,9 @@
   decode      paged decode attention over an fp8 pool vs a bf16 one (block size 16, 32/8 heads
               of 128): fewest bytes (K/V of every context once at its element size, q, out) /
               time, as a fraction of the copy bandwidth (the issue's target: >= 0.85 at
-              contexts >= 1k and batch >= 32); the fp8 pool with its default launch and with
-              V widened before and after shared memory (DecodeConfig.widen_v_first)
+              contexts >= 1k and batch >= 32); the fp8 pool with its default launch (read as
+              16-bit pairs since the thirteenth session) and read byte-wise with V widened
+              before and after shared memory (DecodeConfig.widen_v_first)
   norm/act    at M = 1 the fused GEMVs; at M = 256 the norm / activation quantizing its own
               output before _scaled_mm, beside the same ops in turn
 
@@ -167,8 +168,10 @@ def decode(copy_tb_s: float) -> list[dict]:
                                ("fp8_v_first", Fp8DecodeCase), ("fp8_v_late", Fp8DecodeCase)):
                 case = cls(batch, ctx)
                 cfg = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), label != "bf16")
-                if label != "fp8" and label != "bf16":  # V widened before / after shared memory
-                    cfg = dataclasses.replace(cfg, widen_v_first=label == "fp8_v_first")
+                if label != "fp8" and label != "bf16":  # byte-wise, V widened before / after
+                    cfg = dataclasses.replace(cfg, widen_v_first=label == "fp8_v_first",
+                                              fp8_pairs=False, prefetch_table=False,
+                                              max_registers=None)
                 splits = default_num_splits(batch, KVH, ctx, torch.device("cuda"), cfg)
                 t = case.time(splits, cfg, eager=False)
                 row[f"{label}_us"] = t["us"]
@@ -352,7 +355,10 @@ def decode_sweep(copy_tb_s: float) -> list[dict]:
     rows = []
     for batch, ctx in ((32, 1024), (32, 4096), (128, 4096), (256, 1024)):
         case = Fp8DecodeCase(batch, ctx)
-        base = DecodeConfig.for_batch(batch, KVH, torch.device("cuda"), fp8=True)
+        # the byte-wise read's launches (fp8_pairs off; base: for_batch's for that read)
+        base = dataclasses.replace(DecodeConfig.for_batch(batch, KVH, torch.device("cuda"),
+                                                          fp8=True), fp8_pairs=False,
+                                   prefetch_table=False, max_registers=None)
         timed = []
         for bn, w, st, first in itertools.product((64, 128), (4, 8), (2, 3), (True, False)):
             cfg = DecodeConfig(bn, w, st, base.waves, base.fused_merge, first)
