@@ -373,18 +373,22 @@ def pairs_variants(base: DecodeConfig) -> dict[str, DecodeConfig]:
     then pairs with other launch shapes, by registers and shared memory (sm_90, triton 3.6,
     offline; programs a multiprocessor): plain 162, 41 KB (3); capped at 128 (4); the table a
     tile ahead (prefetch_table: K/V two buffers deep) 168, 74 KB (3); the same with 8 warps 80,
-    74 KB (3 of 8 warps); plain with 8 warps capped at 80 (12 spills; 3 of 8 warps)."""
+    74 KB (3 of 8 warps); the same on 64-token tiles, 4 stages (K/V three deep) 96, 55 KB (4:
+    T4's 2048 programs in 3.9 waves where 3 a multiprocessor take 5.2); plain with 8 warps
+    capped at 80 (12 spills; 3 of 8 warps)."""
     rep = dataclasses.replace
     plain = rep(base, prefetch_table=False, max_registers=None)
     return {"bytes": rep(plain, fp8_pairs=False), "default": base, "pairs": plain,
             "pairs_r128": rep(plain, max_registers=128),
             "pf": rep(plain, prefetch_table=True),
             "pf_w8": rep(plain, prefetch_table=True, num_warps=8),
+            "pf_bn64_st4": rep(plain, prefetch_table=True, block_n=64, num_stages=4),
             "pairs_w8_r80": rep(plain, num_warps=8, max_registers=80)}
 
 
 # pairs_variants' names -> gpu_perf.py --decode-config over for_batch's choice at T4's batch
 T4_OVERRIDES = {"default": "", "pf": "", "pf_w8": "num_warps=8",
+                "pf_bn64_st4": "block_n=64,num_stages=4",
                 "pairs_r128": "prefetch_table=0,max_registers=128",
                 "pairs_w8_r80": "prefetch_table=0,num_warps=8,max_registers=80"}
 
