@@ -81,7 +81,7 @@ class DecodeConfig:
     # memory, and widen_v_first, peel and asm_widen do not apply.
     fp8_pairs: bool = False
     prefetch_table: bool = False  # fp8_pairs: the block table a tile ahead (K/V buffers deeper)
-    max_registers: int | None = None  # triton's maxnreg for stage 1 (compiled only)
+    max_registers: int | None = None  # fp8_pairs, compiled: triton's maxnreg for stage 1
 
     @classmethod
     def for_batch(cls, batch: int, kv_heads: int, device: torch.device,
@@ -103,11 +103,11 @@ class DecodeConfig:
         most 128 registers a thread, 4 programs a multiprocessor where 3 left 2 splits of batch
         32 in 1.3 waves (1k: 0.53 against 0.46, 4k: 0.75 against 0.60; H200, bench/RESULTS.md
         "thirteenth session, issue 19"; not on 32-token tiles, unmeasured there, where the cap
-        spills in the fused merge's loop). It takes 128-token tiles where a
-        bf16 one takes 64: half the bytes a tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch
-        32-256 at 1k-4k: 0.41-0.56 of copy against 0.32-0.45 with 64; 64 was slower than 32
-        there; measured before fp8_pairs existed). Above 2 programs a
-        multiprocessor it widens V before shared memory (widen_v_first; bench/RESULTS.md
+        spills in the fused merge's loop). It takes 128-token tiles where a bf16 one takes 64:
+        half the bytes a tile (bench/gpu_fp8.py --sweep, 2026-12-02, batch 32-256 at 1k-4k:
+        0.41-0.56 of copy against 0.32-0.45 with 64; 64 was slower than 32 there; measured
+        before fp8_pairs existed). Above 2 programs a multiprocessor the byte-wise read widens
+        V before shared memory (widen_v_first; bench/RESULTS.md
         "eighth session, issue 19": batch 128-256 at 1k-4k 0.57-0.66 of copy against 0.51-0.56;
         at batch 32 the other way round, 0.41-0.55 against 0.38-0.51).
         """
@@ -567,7 +567,8 @@ def paged_attention_decode(
     if pairs:  # the pools as 16-bit pairs of e4m3 (their strides halve)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     compiled = dev.type == "cuda"  # the interpreter runs no inline asm
-    extra = {"maxnreg": config.max_registers} if config.max_registers and compiled else {}
+    extra = {"maxnreg": config.max_registers} if config.max_registers and compiled and pairs \
+        else {}
     _decode_split_kernel[(kvh, b, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out,
         *((ws.acc, ws.max, ws.sum, ws.tickets) if ws is not None else (out,) * 4),
