@@ -96,6 +96,25 @@ inline vfloat sum16(const vfloat* a) {
                                  29, 31);
 }
 
+// Rows are read from blocks scattered over the pool, a KV head's D values of each slot (a third
+// of its bytes for SmolLM2), which the hardware's prefetchers do not foresee: each key row is
+// asked for PREFETCH_KEYS positions before it is scored, into L1, and each value row while its
+// chunk's keys are scored, into L2 (the value pass comes after the whole context's keys).
+// Batch 32, SmolLM2's 30 layers, a pool of 4096 blocks, 2 threads (thirteenth session's Zen 4
+// box, median of 10), ms with / without, blocks in order and shuffled: 160 positions fp32
+// 18.0 / 18.3 and 21.4 / 23.7, bf16 13.3 / 13.5 and 16.8 / 23.1; 450 positions fp32 53.6 /
+// 55.1 and 64.0 / 70.9. The same results bit for bit.
+constexpr int64_t PREFETCH_KEYS = 64;
+
+template <typename T, int64_t D>
+inline void prefetch_row(const T* row, int locality) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(T)); line += 64) {
+    if (locality == 3) __builtin_prefetch(p + line, 0, 3);
+    else __builtin_prefetch(p + line, 0, 2);
+  }
+}
+
 // One sequence's query heads h * group + g0 .. + G - 1 against KV head h of its context;
 // NV = head_dim / LANES. scores: room for G x round_up(len, LANES) floats; rows: for
 // round_up(len, LANES) offsets (located by the caller). The G heads run together: each key and
@@ -111,7 +130,13 @@ void attend(const T* q, const T* k_cache, const T* v_cache, int64_t len, int64_t
   vfloat qv[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) qv[g][j] = load(q + (h * group + g0 + g) * D + j * LANES) * scale;
+  for (int64_t p = 0; p < std::min(PREFETCH_KEYS, len); ++p) prefetch_row<T, D>(k_cache + rows[p], 3);
   for (int64_t p0 = 0; p0 < len; p0 += LANES) {
+    for (int64_t l = 0; l < LANES; ++l) {  // the keys PREFETCH_KEYS on, this chunk's values
+      if (p0 + PREFETCH_KEYS + l < len)
+        prefetch_row<T, D>(k_cache + rows[p0 + PREFETCH_KEYS + l], 3);
+      prefetch_row<T, D>(v_cache + rows[p0 + l], 2);
+    }
     vfloat s[G][LANES];
     for (int64_t l = 0; l < LANES; ++l) {
       const T* k = k_cache + rows[p0 + l];
